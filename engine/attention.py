@@ -1,0 +1,97 @@
+"""Attention over the token-slot pool: extend (any chunk, with or without a cached prefix) and decode,
+dense and block-sparse, plus the index-value branch. Torch-native (SDPA and gathers), CPU or CUDA.
+
+Every function reads K/V through the segments' slot rows (ReqToTokenPool rows sliced once per step
+in ForwardBatch), so a cached prefix and freshly written tokens are read the same way.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.config import ModelConfig
+from engine.forward_batch import ForwardBatch, Segment
+from engine.indexer import select_blocks, token_scores
+from mem_cache import MiniMaxSparseKVPool
+
+
+def _causal_mask(seg: Segment, n: int) -> torch.Tensor:
+    """[R, 1, T, N] bool: key position j visible to query t iff j <= q_pos[t]."""
+    j = torch.arange(n, device=seg.q_pos.device)
+    return (j[None, None, :] <= seg.q_pos[:, :, None]).unsqueeze(1)
+
+
+def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg: Segment,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of q [R*T, n_q, D] over the segment's cached K/V [slots, n_kv, D] (GQA)."""
+    r, t = seg.rows, seg.queries
+    n = seg.max_pos + 1  # positions beyond every query's own are never visible
+    slots = seg.slots[:, :n]
+    k = k_buf[slots].transpose(1, 2)  # [R, n_kv, N, D]
+    v = v_buf[slots].transpose(1, 2)
+    qh = q.view(r, t, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, n_q, T, D]
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=_causal_mask(seg, n), scale=scale,
+                                       enable_gqa=k.shape[1] != qh.shape[1])
+    return o.transpose(1, 2).reshape(r * t, -1)
+
+
+def sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, blocks: torch.Tensor,
+                     seg: Segment, block_size: int, scale: float) -> torch.Tensor:
+    """Attention of q [R*T, n_q, D] restricted to the selected blocks [R, n_kv, T, K] (model.md §3.4).
+
+    Gathers only the K*B selected keys per (query, KV head): the cost does not grow with context.
+    """
+    r, t = seg.rows, seg.queries
+    n_kv = blocks.shape[1]
+    d = q.shape[-1]
+    offs = torch.arange(block_size, device=blocks.device)
+    pos = (blocks.clamp(min=0)[..., None] * block_size + offs).flatten(-2)  # [R, n_kv, T, K*B]
+    valid = (blocks >= 0).repeat_interleave(block_size, dim=-1) & (pos <= seg.q_pos[:, None, :, None])
+    pos = pos.masked_fill(~valid, 0)
+    slots = torch.gather(seg.slots, 1, pos.reshape(r, -1)).view(pos.shape)
+    head = torch.arange(n_kv, device=blocks.device).view(1, n_kv, 1, 1)
+    k = k_buf[slots, head]  # [R, n_kv, T, K*B, D]
+    v = v_buf[slots, head]
+    qh = q.view(r, t, n_kv, -1, d).transpose(1, 2)  # [R, n_kv, T, G, D]
+    s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [R, n_kv, T, G, K*B]
+    s = s.masked_fill(~valid[:, :, :, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)  # [R, n_kv, T, G, D]
+    return o.transpose(1, 2).reshape(r * t, -1)
+
+
+def select_for_segment(iq: torch.Tensor, ik_buf: torch.Tensor, seg: Segment, cfg: ModelConfig) -> torch.Tensor:
+    """Run the indexer for one segment: iq [R*T, n_I, D_I] -> blocks [R, n_I, T, K]."""
+    n = seg.max_pos + 1
+    ik = ik_buf[seg.slots[:, :n]][:, :, 0, :]  # [R, N, D_I]
+    iqh = iq.view(seg.rows, seg.queries, iq.shape[1], iq.shape[2])
+    scores = token_scores(iqh, ik, seg.q_pos)
+    return select_blocks(scores, seg.q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks)
+
+
+def attention_layer(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, fb: ForwardBatch,
+                    pool: MiniMaxSparseKVPool, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Main attention output [T, n_q*D] and, for index-value layers, the index output [T, n_I*D_I].
+
+    The caller has already written this step's K/V (and index K/V) into the pool.
+    """
+    k_buf, v_buf = pool.get_kv_buffer(layer_id)
+    kind = cfg.layer_kinds[layer_id]
+    scale = cfg.head_dim ** -0.5
+    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+    for seg in fb.segments:
+        qs = q[seg.start:seg.end]
+        # NOTE: while every query sees at most K blocks, the selection keeps all of them and the
+        # layer is exactly dense causal attention (model.md §3.3), so the indexer need not run.
+        if kind == "dense" or seg.max_pos // cfg.block_size < cfg.topk_blocks:
+            out[seg.start:seg.end] = dense_attention(qs, k_buf, v_buf, seg, scale)
+        else:
+            blocks = select_for_segment(iq[seg.start:seg.end], pool.get_index_k_buffer(layer_id), seg, cfg)
+            out[seg.start:seg.end] = sparse_attention(qs, k_buf, v_buf, blocks, seg, cfg.block_size, scale)
+    if kind != "sparse_index_kv":
+        return out, None
+    ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
+    u = iq.new_empty(iq.shape[0], iq.shape[1] * iq.shape[2])
+    for seg in fb.segments:  # index-value branch: dense causal over the whole history (model.md §4)
+        u[seg.start:seg.end] = dense_attention(iq[seg.start:seg.end], ik_buf, iv_buf, seg, cfg.index_head_dim ** -0.5)
+    return out, u

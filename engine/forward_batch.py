@@ -1,0 +1,95 @@
+"""ForwardBatch: what one model step computes, and the attention metadata built once for all layers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+# NOTE: a query chunk of an extend segment scores at most this many (query, key) pairs per index head;
+# long prompts are split into several chunks so the score matrix stays bounded (64 MiB in fp32).
+MAX_SCORE_ELEMS = 1 << 24
+
+
+@dataclass(frozen=True)
+class Segment:
+    """R rows of T queries each, over token range [start, start + R*T) of the batch (row-major).
+
+    `slots[r, j]` is the token slot holding position j of row r's request (j < N); `q_pos[r, t]` is
+    the absolute position of query t of row r. A query attends only to positions <= its own, so
+    padding columns (j >= that row's length) are never read.
+    """
+
+    start: int
+    rows: int
+    queries: int
+    slots: torch.Tensor  # [R, N] int64
+    q_pos: torch.Tensor  # [R, T] int64
+    max_pos: int  # max over q_pos, as a Python int (no device sync later)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.rows * self.queries
+
+
+@dataclass
+class ForwardBatch:
+    """One step's inputs. Decode is the case where every request extends by exactly one token.
+
+    `out_cache_loc[i]` is the slot that new token i's K/V (and index K/V) are written to;
+    `req_to_token` rows map each request's positions to slots (the caller has already written the
+    new tokens' slots into them).
+    """
+
+    input_ids: torch.Tensor  # [T_total] int64
+    positions: torch.Tensor  # [T_total] int64
+    out_cache_loc: torch.Tensor  # [T_total] int64
+    req_pool_indices: list[int]
+    prefix_lens: list[int]
+    extend_lens: list[int]
+    req_to_token: torch.Tensor
+    segments: list[Segment] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        n = len(self.req_pool_indices)
+        assert len(self.prefix_lens) == n and len(self.extend_lens) == n, "one prefix/extend length per request"
+        assert all(e >= 1 for e in self.extend_lens), "every request must bring at least one new token"
+        assert self.input_ids.shape[0] == sum(self.extend_lens) == self.out_cache_loc.shape[0]
+        if not self.segments:
+            self.segments = self._build_segments()
+
+    @property
+    def is_decode(self) -> bool:
+        return all(e == 1 for e in self.extend_lens)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.req_pool_indices)
+
+    @property
+    def seq_lens(self) -> list[int]:
+        return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
+
+    def last_token_indices(self) -> torch.Tensor:
+        """Index of each request's last new token in the flattened batch."""
+        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
+        return ends.to(self.input_ids.device)
+
+    def _build_segments(self) -> list[Segment]:
+        dev = self.input_ids.device
+        rows = torch.tensor(self.req_pool_indices, dtype=torch.int64, device=dev)
+        if self.is_decode:
+            n_max = max(self.seq_lens)
+            slots = self.req_to_token[rows, :n_max].to(torch.int64)
+            q_pos = self.positions.view(-1, 1)
+            return [Segment(0, len(rows), 1, slots, q_pos, n_max - 1)]
+        segments, start = [], 0
+        for r, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
+            chunk = max(64, MAX_SCORE_ELEMS // (p + e))
+            for a in range(0, e, chunk):
+                b = min(e, a + chunk)
+                slots = self.req_to_token[rows[r], : p + b].to(torch.int64).view(1, -1)
+                q_pos = self.positions[start + a : start + b].view(1, -1)
+                segments.append(Segment(start + a, 1, b - a, slots, q_pos, p + b - 1))
+            start += e
+        return segments

@@ -1,0 +1,232 @@
+"""Tokenizer wrapper (HF `tokenizer.json` + `tokenizer_config.json`) and incremental detokenization.
+
+`Tokenizer.from_dir(path)` reads a model directory offline: `tokenizer.json` is required,
+`tokenizer_config.json` (special tokens, `add_bos_token`, chat template) and
+`generation_config.json` (extra stop ids) are optional.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+REPLACEMENT_CHAR = "\ufffd"
+_PREFIX_CONTEXT_TOKENS = 5  # prompt tokens kept as decode context for the first delta
+
+
+class ChatTemplateError(ValueError):
+    """The chat template is missing, malformed, or rejected the messages."""
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open(encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return data
+
+
+def _token_content(value: Any) -> str | None:
+    """A special-token entry is either a string or an HF AddedToken dict with "content"."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise ChatTemplateError(message)
+
+
+def _tojson(value: Any, indent: int | None = None) -> str:
+    return json.dumps(value, ensure_ascii=False, indent=indent)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class Tokenizer:
+    """A byte-level BPE (or any `tokenizers`) tokenizer plus its HF config and chat template."""
+
+    def __init__(
+        self,
+        hf_tokenizer: _HFTokenizer,
+        tokenizer_config: dict[str, Any] | None = None,
+        generation_config: dict[str, Any] | None = None,
+        chat_template: str | None = None,
+    ) -> None:
+        self._tok = hf_tokenizer
+        cfg = tokenizer_config or {}
+        gen = generation_config or {}
+        self.bos_token = _token_content(cfg.get("bos_token"))
+        self.eos_token = _token_content(cfg.get("eos_token"))
+        self.pad_token = _token_content(cfg.get("pad_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        if self.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
+            self.bos_token_id = gen["bos_token_id"]
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        self.pad_token_id = self.token_to_id(self.pad_token)
+        self.add_bos_token = bool(cfg.get("add_bos_token", False))
+        self.add_eos_token = bool(cfg.get("add_eos_token", False))
+        self.model_max_length = cfg.get("model_max_length")
+
+        gen_eos = gen.get("eos_token_id")
+        eos_ids = {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or ())
+        if self.eos_token_id is not None:
+            eos_ids.add(self.eos_token_id)
+        if self.eos_token_id is None and eos_ids:
+            self.eos_token_id = min(eos_ids)
+        self.eos_token_ids: set[int] = eos_ids
+
+        decoder = hf_tokenizer.get_added_tokens_decoder()
+        specials = {i for i, tok in decoder.items() if tok.special}
+        specials.update(i for i in (self.bos_token_id, self.pad_token_id) if i is not None)
+        self.special_token_ids: set[int] = specials | eos_ids
+
+        template = chat_template if chat_template is not None else cfg.get("chat_template")
+        if isinstance(template, list):  # HF multi-template form: [{"name": ..., "template": ...}]
+            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+            template = named.get("default")
+        self.chat_template: str | None = template if isinstance(template, str) else None
+        self._compiled_template: Any = None
+
+    @classmethod
+    def from_dir(cls, path: str | os.PathLike[str], chat_template: str | None = None) -> Tokenizer:
+        """Load from a directory holding `tokenizer.json` (+ optional HF config files)."""
+        root = Path(path)
+        tok_file = root / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {root}")
+        return cls(
+            _HFTokenizer.from_file(str(tok_file)),
+            tokenizer_config=_read_json(root / "tokenizer_config.json"),
+            generation_config=_read_json(root / "generation_config.json"),
+            chat_template=chat_template,
+        )
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special-token strings in `text` map to their ids.
+
+        With `add_special_tokens`, BOS/EOS are added only as tokenizer_config asks.
+        """
+        ids = list(self._tok.encode(text, add_special_tokens=False).ids)
+        if add_special_tokens:
+            if self.add_bos_token and self.bos_token_id is not None:
+                ids.insert(0, self.bos_token_id)
+            if self.add_eos_token and self.eos_token_id is not None:
+                ids.append(self.eos_token_id)
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
+    ) -> str:
+        """Render `messages` with the chat template (sandboxed Jinja, HF conventions)."""
+        if self.chat_template is None:
+            raise ChatTemplateError(
+                "this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')"
+            )
+        if self._compiled_template is None:
+            env = ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.filters["tojson"] = _tojson
+            env.globals["raise_exception"] = _raise_exception
+            env.globals["strftime_now"] = _strftime_now
+            try:
+                self._compiled_template = env.from_string(self.chat_template)
+            except TemplateError as e:
+                raise ChatTemplateError(f"invalid chat template: {e}") from e
+        context = {
+            "bos_token": self.bos_token or "",
+            "eos_token": self.eos_token or "",
+            "pad_token": self.pad_token or "",
+            **kwargs,
+        }
+        try:
+            return self._compiled_template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **context
+            )
+        except TemplateError as e:
+            raise ChatTemplateError(f"chat template failed: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns a growing id sequence into text deltas without splitting UTF-8 characters.
+
+    Keeps two offsets into the ids: text from `prefix_offset` to `read_offset` was already
+    emitted and serves as decode context; each step decodes only that short window plus the
+    new ids, and emits the part past the context unless it ends in U+FFFD (an incomplete
+    multi-byte character), in which case the ids are held until a later token completes it.
+    """
+
+    def __init__(
+        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids or ())
+        self._read_offset = len(self._ids)
+        self._prefix_offset = max(self._read_offset - _PREFIX_CONTEXT_TOKENS, 0)
+        self._chunks: list[str] = []
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far (prompt excluded)."""
+        return "".join(self._chunks)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt ids followed by every id added so far."""
+        return list(self._ids)
+
+    def _decode(self, start: int, end: int | None = None) -> str:
+        return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
+
+    def _delta(self, final: bool) -> str:
+        prefix_text = self._decode(self._prefix_offset, self._read_offset)
+        full_text = self._decode(self._prefix_offset)
+        if len(full_text) <= len(prefix_text):
+            return ""
+        if not final and full_text.endswith(REPLACEMENT_CHAR):
+            return ""
+        delta = full_text[len(prefix_text) :]
+        self._prefix_offset = self._read_offset
+        self._read_offset = len(self._ids)
+        self._chunks.append(delta)
+        return delta
+
+    def add(self, new_ids: list[int]) -> str:
+        """Append ids; return the newly completed text (possibly empty)."""
+        self._ids.extend(new_ids)
+        if len(self._ids) == self._read_offset:
+            return ""
+        return self._delta(final=False)
+
+    def flush(self) -> str:
+        """Emit anything held back (incomplete characters come out as U+FFFD)."""
+        if len(self._ids) == self._read_offset:
+            return ""
+        return self._delta(final=True)

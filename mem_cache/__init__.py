@@ -1,0 +1,26 @@
+"""KV cache: SGLang-style token pools for a model with dense and block-sparse attention layers.
+
+Knows no model and no HTTP: nothing here imports `engine/` or `server/`.
+"""
+
+from mem_cache.allocator import TokenSlotAllocator
+from mem_cache.errors import KOnlyPoolError, LayerIdError, MissingBufferError, PoolExhaustedError
+from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
+from mem_cache.layer_kinds import BUFFER_NAMES, LAYER_KINDS, BufferLocation
+from mem_cache.req_to_token import ReqToTokenPool
+from mem_cache.sparse_pool import MiniMaxSparseKVPool
+
+__all__ = [
+    "BUFFER_NAMES",
+    "LAYER_KINDS",
+    "BufferLocation",
+    "KOnlyPoolError",
+    "LayerIdError",
+    "MHATokenToKOnlyPool",
+    "MHATokenToKVPool",
+    "MiniMaxSparseKVPool",
+    "MissingBufferError",
+    "PoolExhaustedError",
+    "ReqToTokenPool",
+    "TokenSlotAllocator",
+]

@@ -1,0 +1,29 @@
+"""Exceptions raised by the token pools.
+
+Each one is a subclass of a builtin so that generic callers can catch broadly, while the HTTP layer
+can map the precise class to a status code (exhausted -> retract/503, layer id -> 404,
+missing buffer -> 409, unknown buffer name -> plain ValueError -> 400).
+"""
+
+from __future__ import annotations
+
+
+class PoolExhaustedError(MemoryError):
+    """Not enough free slots for an allocation. Callers should ask `can_alloc(n)` first."""
+
+
+class KOnlyPoolError(NotImplementedError):
+    """A value (V) accessor was called on `MHATokenToKOnlyPool`, which stores no V by design."""
+
+
+class LayerIdError(ValueError):
+    """A layer id outside the valid range; the message names the valid range."""
+
+
+class MissingBufferError(LookupError):
+    """A layer was asked for a buffer it does not have; the message says why and what to use instead."""
+
+    def __init__(self, message: str, layer_id: int, buffer: str) -> None:
+        super().__init__(message)
+        self.layer_id = layer_id
+        self.buffer = buffer

@@ -1,0 +1,76 @@
+"""Layer kinds, buffer names, routing records and the per-token byte formula (model.md §5).
+
+Pure metadata: no tensors are created here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
+
+from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
+
+DENSE = "dense"
+SPARSE_INDEX_KV = "sparse_index_kv"
+SPARSE_K_ONLY = "sparse_k_only"
+LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
+
+# Buffer names used by the introspection API and GET /pools/layers (http_api.md §6).
+BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")
+
+# Which buffers each layer kind has.
+KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType(
+    {
+        DENSE: frozenset({"key", "value"}),
+        SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
+        SPARSE_K_ONLY: frozenset({"key", "value", "index_key"}),
+    }
+)
+
+
+@dataclass(frozen=True)
+class BufferLocation:
+    """Where one buffer of one global layer lives: a sub-pool and the local layer id inside it."""
+
+    pool: MHATokenToKVPool | MHATokenToKOnlyPool
+    local_layer_id: int
+
+
+def validate_layer_kinds(layer_kinds: Sequence[str]) -> tuple[str, ...]:
+    """Return `layer_kinds` as a tuple; an unknown kind or an empty list -> ValueError naming it."""
+    kinds = tuple(layer_kinds)
+    if not kinds:
+        raise ValueError("layer_kinds is empty: a pool needs at least one layer")
+    for i, kind in enumerate(kinds):
+        if kind not in LAYER_KINDS:
+            raise ValueError(f"layer_kinds[{i}] = {kind!r} is not one of {list(LAYER_KINDS)}")
+    return kinds
+
+
+def check_buffer_name(buffer: str) -> None:
+    if buffer not in BUFFER_NAMES:
+        raise ValueError(f"unknown buffer {buffer!r}; valid buffer names are {list(BUFFER_NAMES)}")
+
+
+def elements_per_token(kind: str, head_num: int, head_dim: int, index_head_dim: int) -> int:
+    """Cached elements per token for ONE layer of `kind` (model.md §5)."""
+    main = 2 * head_num * head_dim
+    if kind == DENSE:
+        return main
+    if kind == SPARSE_INDEX_KV:
+        return main + 2 * index_head_dim
+    if kind == SPARSE_K_ONLY:
+        return main + index_head_dim
+    raise ValueError(f"unknown layer kind {kind!r}; valid kinds are {list(LAYER_KINDS)}")
+
+
+def bytes_per_token_for_kinds(
+    layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int, dtype: torch.dtype
+) -> int:
+    """Bytes one token slot costs summed over all layers and all their buffers."""
+    return dtype.itemsize * sum(
+        elements_per_token(k, head_num, head_dim, index_head_dim) for k in layer_kinds
+    )

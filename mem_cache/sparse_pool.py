@@ -1,0 +1,210 @@
+"""`MiniMaxSparseKVPool`: the parent KV pool every caller talks to (main + index-KV + index-K-only)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
+from mem_cache.layer_kinds import (
+    BUFFER_NAMES,
+    DENSE,
+    LAYER_KINDS,
+    SPARSE_INDEX_KV,
+    SPARSE_K_ONLY,
+    BufferLocation,
+    bytes_per_token_for_kinds,
+    validate_layer_kinds,
+)
+from mem_cache.pool_info import SparsePoolInfoMixin
+from mem_cache.pool_integrity import check_sparse_pool_integrity
+
+
+class MiniMaxSparseKVPool(SparsePoolInfoMixin):
+    """Token-slot KV cache for a model mixing dense and block-sparse attention layers.
+
+    Sub-pools (all share the same token slots, `size + page_size` rows each):
+    - `main_pool` (MHATokenToKVPool, head_num x head_dim): main K/V of EVERY layer, local id == global id.
+    - `index_kv_pool` (MHATokenToKVPool, 1 x index_head_dim): index K and V of the `sparse_index_kv`
+      layers; None when there are none.
+    - `index_k_pool` (MHATokenToKOnlyPool, 1 x index_head_dim): index K of the `sparse_k_only` layers
+      (sparse_disable_index_value set: score-only indexer, V never read, never allocated); None if none.
+    Every accessor here takes a GLOBAL layer id and routes to the sub-pool that owns the buffer.
+    Index accessors called for a layer outside their group raise `ValueError` naming the valid layers;
+    generic code should ask `has_buffer` / `has_index_value_buffer` / `layer_info` first.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        layer_kinds: Sequence[str],
+        head_num: int,
+        head_dim: int,
+        index_head_dim: int,
+        device: str | torch.device = "cpu",
+    ) -> None:
+        self.layer_kinds = validate_layer_kinds(layer_kinds)
+        self.num_layers = len(self.layer_kinds)
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.index_head_dim = index_head_dim
+        self.index_kv_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_INDEX_KV]
+        self.index_k_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_K_ONLY]
+        common = {"size": size, "page_size": page_size, "dtype": dtype, "device": self.device}
+        self.main_pool = MHATokenToKVPool(
+            **common, head_num=head_num, head_dim=head_dim, layer_num=self.num_layers, name="main_pool"
+        )
+        self.index_kv_pool: MHATokenToKVPool | None = None
+        self.index_k_pool: MHATokenToKOnlyPool | None = None
+        if self.index_kv_layer_ids:
+            self.index_kv_pool = MHATokenToKVPool(
+                **common,
+                head_num=1,
+                head_dim=index_head_dim,
+                layer_num=len(self.index_kv_layer_ids),
+                name="index_kv_pool",
+                global_layer_ids=self.index_kv_layer_ids,
+            )
+        if self.index_k_layer_ids:
+            self.index_k_pool = MHATokenToKOnlyPool(
+                **common,
+                head_num=1,
+                head_dim=index_head_dim,
+                layer_num=len(self.index_k_layer_ids),
+                name="index_k_pool",
+                global_layer_ids=self.index_k_layer_ids,
+            )
+        # Global -> local layer id maps of the index sub-pools (main pool: local == global).
+        self.index_kv_local = {g: i for i, g in enumerate(self.index_kv_layer_ids)}
+        self.index_k_local = {g: i for i, g in enumerate(self.index_k_layer_ids)}
+        # NOTE: _routes is the single source of truth for "which buffer of which layer lives where";
+        # every accessor and every introspection answer goes through it.
+        self._routes = [self._build_routes(i) for i in range(self.num_layers)]
+
+    def _build_routes(self, layer_id: int) -> dict[str, BufferLocation | None]:
+        kind = self.layer_kinds[layer_id]
+        routes: dict[str, BufferLocation | None] = dict.fromkeys(BUFFER_NAMES)
+        routes["key"] = routes["value"] = BufferLocation(self.main_pool, layer_id)
+        if kind == SPARSE_INDEX_KV and self.index_kv_pool is not None:
+            loc = BufferLocation(self.index_kv_pool, self.index_kv_local[layer_id])
+            routes["index_key"] = routes["index_value"] = loc
+        elif kind == SPARSE_K_ONLY and self.index_k_pool is not None:
+            routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_local[layer_id])
+        return routes
+
+    # ---- main K/V: every layer -------------------------------------------------------------------
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        self._check_layer(layer_id)
+        return self.main_pool.get_key_buffer(layer_id)
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        self._check_layer(layer_id)
+        return self.main_pool.get_value_buffer(layer_id)
+
+    def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._check_layer(layer_id)
+        return self.main_pool.get_kv_buffer(layer_id)
+
+    def set_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
+        self._check_layer(layer_id)
+        self.main_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v)
+
+    # ---- index K: both sparse groups; index V: sparse_index_kv only -------------------------------
+    def _index_route(self, layer_id: int, buffer: str, accessor: str) -> BufferLocation:
+        loc = self.buffer_location(layer_id, buffer)
+        if loc is not None:
+            return loc
+        kind = self.layer_kinds[layer_id]
+        owners = self.layers_with(buffer)
+        what = "an index key buffer" if buffer == "index_key" else "an index value buffer"
+        if kind == DENSE:
+            why, instead = (
+                "dense (no indexer, no index buffers)",
+                f"get_kv_buffer({layer_id}) for its main K/V",
+            )
+        else:
+            why = "sparse_k_only (score-only sparse layer, sparse_disable_index_value set: no index V is stored)"
+            instead = f"get_index_k_buffer({layer_id}) for its index keys"
+        have = f"only layers {owners} have {what}" if owners else f"no layer of this model has {what}"
+        raise ValueError(f"{accessor}: layer {layer_id} is {why}; {have}. Use {instead}.")
+
+    def get_index_k_buffer(self, layer_id: int) -> torch.Tensor:
+        r = self._index_route(layer_id, "index_key", "get_index_k_buffer")
+        return r.pool.get_key_buffer(r.local_layer_id)
+
+    def set_index_k_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
+        r = self._index_route(layer_id, "index_key", "set_index_k_buffer")
+        r.pool.set_k_buffer(r.local_layer_id, loc, cache_k)
+
+    def get_index_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        r = self._index_route(layer_id, "index_value", "get_index_kv_buffer")
+        return r.pool.get_kv_buffer(r.local_layer_id)
+
+    def get_index_v_buffer(self, layer_id: int) -> torch.Tensor:
+        r = self._index_route(layer_id, "index_value", "get_index_v_buffer")
+        return r.pool.get_value_buffer(r.local_layer_id)
+
+    def set_index_kv_buffer(
+        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+    ) -> None:
+        r = self._index_route(layer_id, "index_value", "set_index_kv_buffer")
+        r.pool.set_kv_buffer(r.local_layer_id, loc, cache_k, cache_v)
+
+    # ---- byte accounting ---------------------------------------------------------------------------
+    @staticmethod
+    def bytes_per_token_for(
+        layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int, dtype: torch.dtype
+    ) -> int:
+        """Bytes one token slot costs over all layers and buffers (model.md §5 times element size)."""
+        return bytes_per_token_for_kinds(
+            validate_layer_kinds(layer_kinds), head_num, head_dim, index_head_dim, dtype
+        )
+
+    @classmethod
+    def size_for_budget(
+        cls,
+        budget_bytes: int,
+        page_size: int,
+        layer_kinds: Sequence[str],
+        head_num: int,
+        head_dim: int,
+        index_head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:
+        """Largest `size` (a multiple of page_size) whose pool, padding page included, fits `budget_bytes`."""
+        per_token = cls.bytes_per_token_for(layer_kinds, head_num, head_dim, index_head_dim, dtype)
+        # NOTE: the pool holds size + page_size rows (page 0 is the padding page), hence the subtraction.
+        size = (budget_bytes // per_token - page_size) // page_size * page_size
+        if size < page_size:
+            raise ValueError(
+                f"a KV budget of {budget_bytes} bytes holds no usable page: one token costs {per_token} bytes "
+                f"and at least {2 * page_size} rows ({2 * page_size * per_token} bytes) are needed"
+            )
+        return size
+
+    def bytes_per_token(self) -> int:
+        return bytes_per_token_for_kinds(
+            self.layer_kinds, self.head_num, self.head_dim, self.index_head_dim, self.dtype
+        )
+
+    def bytes_per_token_by_kind(self) -> dict[str, int]:
+        """Bytes per token of ONE layer of each kind present in this model (in LAYER_KINDS order)."""
+        first = {k: self.layer_kinds.index(k) for k in LAYER_KINDS if k in self.layer_kinds}
+        return {k: self.layer_bytes_per_token(i) for k, i in first.items()}
+
+    def total_bytes(self) -> int:
+        """Real allocated bytes of every sub-pool tensor."""
+        return sum(p.total_bytes() for p in self.sub_pools())
+
+    def check_integrity(self) -> bool:
+        """Buffers' shapes/dtypes/devices, routing of every layer by its kind, no V in the K-only pool."""
+        return check_sparse_pool_integrity(self)
