@@ -70,11 +70,6 @@ class ForwardBatch:
     def seq_lens(self) -> list[int]:
         return [p + e for p, e in zip(self.prefix_lens, self.extend_lens)]
 
-    def last_token_indices(self) -> torch.Tensor:
-        """Index of each request's last new token in the flattened batch."""
-        ends = torch.tensor(self.extend_lens, dtype=torch.int64).cumsum(0) - 1
-        return ends.to(self.input_ids.device)
-
     def _build_segments(self) -> list[Segment]:
         dev = self.input_ids.device
         rows = torch.tensor(self.req_pool_indices, dtype=torch.int64, device=dev)

@@ -54,9 +54,7 @@ class ModelRunner:
             extend_lens=[len(it.new_ids) for it in items],
             req_to_token=self.req_to_token_pool.req_to_token)
 
-    def forward(self, fb: ForwardBatch, all_logits: bool = False) -> torch.Tensor:
-        """fp32 logits: of every new token [T, V] if `all_logits`, else of each request's last [B, V]."""
+    def forward(self, fb: ForwardBatch, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """fp32 logits of the batch's tokens at `rows` (indices into the flattened batch), or of all."""
         hidden = self.model(fb, self.pool)
-        if not all_logits:
-            hidden = hidden[fb.last_token_indices()]
-        return self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden if rows is None else hidden[rows])

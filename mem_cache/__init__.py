@@ -7,6 +7,8 @@ from mem_cache.allocator import TokenSlotAllocator
 from mem_cache.errors import KOnlyPoolError, LayerIdError, MissingBufferError, PoolExhaustedError
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
 from mem_cache.layer_kinds import BUFFER_NAMES, LAYER_KINDS, BufferLocation
+from mem_cache.radix_cache import RadixCache
+from mem_cache.radix_tree import TreeNode
 from mem_cache.req_to_token import ReqToTokenPool
 from mem_cache.sparse_pool import MiniMaxSparseKVPool
 
@@ -21,6 +23,8 @@ __all__ = [
     "MiniMaxSparseKVPool",
     "MissingBufferError",
     "PoolExhaustedError",
+    "RadixCache",
     "ReqToTokenPool",
     "TokenSlotAllocator",
+    "TreeNode",
 ]

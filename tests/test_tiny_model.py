@@ -94,9 +94,10 @@ def test_random_alloc_free_keeps_integrity(runner):
 
 def test_serves_text_out_of_the_box():
     llm = LLM(TINY, max_total_tokens=1024, max_running_requests=4)
-    out = llm.generate(["Hello there", "Once upon a time"], {"max_new_tokens": 8, "ignore_eos": True})
+    out = llm.generate(["Hello there", "Once upon a time"], {"max_new_tokens": 8, "ignore_eos": True, "temperature": 0})
     assert [len(o["output_ids"]) for o in out] == [8, 8] and all(isinstance(o["text"], str) for o in out)
-    sampled = llm.generate(["Hello"] * 2, [{"max_new_tokens": 8, "temperature": 1.0, "seed": s, "ignore_eos": True}
+    sampled = llm.generate(["Hello"] * 2, [{"max_new_tokens": 8, "temperature": 1.0, "sampling_seed": s, "ignore_eos": True}
                                           for s in (1, 1)])
     assert sampled[0]["output_ids"] == sampled[1]["output_ids"]
-    assert torch.tensor(llm.runner.allocator.available_size()) == 1024
+    assert llm.engine.check_integrity() and llm.engine.flush_cache()
+    assert llm.runner.allocator.available_size() == 1024

@@ -1,0 +1,36 @@
+"""Engine settings, named after SGLang's server flags (see architecture.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class EngineArgs:
+    model_path: str = "configs/tiny"
+    tokenizer_path: str | None = None
+    skip_tokenizer_init: bool = False
+    load_format: str = "auto"  # auto | safetensors | dummy
+    device: str | None = None  # None: cuda when present, else cpu
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    context_length: int | None = None  # None: the model's max_position_embeddings
+    max_running_requests: int = 64
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from the byte budget
+    kv_cache_bytes: int | None = None  # KV pool byte budget; None: 512 MiB on CPU, mem_fraction_static on CUDA
+    mem_fraction_static: float = 0.8
+    chunked_prefill_size: int = 2048
+    page_size: int = 1
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be at least 1, got {self.max_running_requests}")
+        if self.chunked_prefill_size < 1:
+            raise ValueError(f"chunked_prefill_size must be at least 1, got {self.chunked_prefill_size}")
+        if self.page_size != 1:
+            raise ValueError(f"page_size must be 1 (paged KV slots are not supported by the scheduler yet), got {self.page_size}")
+        if self.max_total_tokens is not None and self.max_total_tokens < 2:
+            raise ValueError(f"max_total_tokens must be at least 2, got {self.max_total_tokens}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")

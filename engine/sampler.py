@@ -1,0 +1,163 @@
+"""Batched, per-request-reproducible token sampler.
+
+Order per row: logit_bias → repetition penalty (prompt + output tokens) → frequency and presence
+penalties (output tokens) → suppressed ids set to -inf → greedy argmax, or temperature, top-k,
+top-p, min-p and a random draw.
+
+Top-k, top-p and min-p are computed on the same temperature-scaled distribution and combined
+(as SGLang does): a token survives if it is among the k most likely, if the probability mass
+strictly before it is < top_p, and if its probability is >= min_p × the largest probability. The
+most likely token always survives.
+
+The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d. per token, which picks token
+i with probability p_i / sum(p) without renormalizing. Row i's noise comes only from
+`generators[i]` (V draws per sampling step, none for greedy rows), and every operation is
+row-wise, so a seeded request gets the same tokens whatever else is in the batch and wherever
+it sits in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """[R, V] float32 counts of each token id per row; ids outside [0, V) are ignored."""
+    width = max((len(r) for r in rows), default=0)
+    counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
+    if width:
+        ids = torch.tensor([list(r) + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64,
+                           device=device)
+        ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)  # padding/out-of-range → spare column
+        counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    return counts[:, :vocab_size]
+
+
+class Sampler:
+    """Stateless batched sampler over raw model logits; see the module docstring for semantics."""
+
+    def process_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                       output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
+                       suppress: Sequence[set[int] | frozenset[int] | None] | None = None) -> torch.Tensor:
+        """Apply logit_bias, penalties and suppression; returns float32 [B, V].
+
+        The input tensor is never modified. Rows whose parameters are neutral are left untouched,
+        and when no row needs anything the (float32) input itself is returned.
+        """
+        b, v = logits.shape
+        if not len(params) == len(output_ids) == len(prompt_ids) == b or (suppress is not None and len(suppress) != b):
+            raise ValueError(f"sampler got {b} logit rows but params/output_ids/prompt_ids/suppress of "
+                             f"lengths {len(params)}/{len(output_ids)}/{len(prompt_ids)}/"
+                             f"{'-' if suppress is None else len(suppress)}")
+        dev = logits.device
+        x = logits.float()
+        owned = x is not logits
+
+        def writable() -> torch.Tensor:
+            nonlocal x, owned
+            if not owned:
+                x, owned = x.clone(), True
+            return x
+
+        # logit_bias: one accumulate-scatter of all (row, token, bias) triples.
+        trip = [(i, int(k), float(bias)) for i, p in enumerate(params) for k, bias in (p.logit_bias or {}).items()]
+        if trip:
+            r, c, val = zip(*trip)
+            writable().index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
+                                  torch.tensor(val, dtype=torch.float32, device=dev), accumulate=True)
+
+        # repetition penalty over prompt + output tokens (divide positive logits, multiply negative ones).
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        if rep:
+            seen = _token_counts([list(prompt_ids[i]) + list(output_ids[i]) for i in rep], v, dev) > 0
+            pen = torch.tensor([float(params[i].repetition_penalty) for i in rep], device=dev)[:, None]
+            idx = torch.tensor(rep, device=dev)
+            sub = x[idx]
+            writable()[idx] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+
+        # frequency / presence penalties over output tokens.
+        fp = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        if fp:
+            counts = _token_counts([output_ids[i] for i in fp], v, dev)
+            freq = torch.tensor([float(params[i].frequency_penalty) for i in fp], device=dev)[:, None]
+            pres = torch.tensor([float(params[i].presence_penalty) for i in fp], device=dev)[:, None]
+            idx = torch.tensor(fp, device=dev)
+            writable()[idx] = x[idx] - (freq * counts + pres * (counts > 0).float())
+
+        # suppressed ids (EOS / stop ids before min_new_tokens) can never be chosen.
+        sup = [(i, t) for i, s in enumerate(suppress or ()) for t in (s or ()) if 0 <= t < v]
+        if sup:
+            r, c = zip(*sup)
+            writable()[torch.tensor(r, device=dev), torch.tensor(c, device=dev)] = float("-inf")
+        return x
+
+    def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+        """Temperature softmax with top-k / top-p / min-p applied: [B, V], removed tokens = 0.
+
+        Rows are not renormalized. `logits` are processed logits (see `process_logits`); every
+        row is treated as sampling (callers handle greedy rows).
+        """
+        b, v = logits.shape
+        dev = logits.device
+        temps = [float(p.temperature) for p in params]
+        x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev)[:, None]
+        probs = torch.softmax(x, dim=-1)
+        top_k = [p.top_k if 0 < p.top_k < v else v for p in params]
+        top_p = [float(p.top_p) if p.top_p < 1.0 else float("inf") for p in params]
+        min_p = [float(p.min_p) for p in params]
+        need = [i for i in range(b) if top_k[i] < v or top_p[i] != float("inf") or min_p[i] > 0.0]
+        if not need:
+            return probs
+        idx = torch.tensor(need, device=dev)
+        sub = probs if len(need) == b else probs[idx]
+        sp, order = sub.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(v, device=dev)[None, :]
+        drop = ranks >= torch.tensor([top_k[i] for i in need], device=dev)[:, None]
+        mass_before = torch.zeros_like(sp)  # probability mass strictly before each sorted position
+        mass_before[:, 1:] = torch.cumsum(sp, dim=-1)[:, :-1]
+        drop |= mass_before >= torch.tensor([top_p[i] for i in need], device=dev)[:, None]
+        drop |= sp < sp[:, :1] * torch.tensor([min_p[i] for i in need], device=dev)[:, None]
+        drop[:, 0] = False
+        sub = sub.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
+        if len(need) == b:
+            return sub
+        probs[idx] = sub
+        return probs
+
+    def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+               output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
+               generators: Sequence[torch.Generator | None],
+               suppress: Sequence[set[int] | frozenset[int] | None] | None = None) -> torch.Tensor:
+        """Pick one token per row from raw logits [B, V]; returns int64 [B] on the logits' device.
+
+        `generators[i]` may be None only for greedy rows; a generator may live on another
+        device than the logits (its noise is drawn there and moved).
+        """
+        if len(generators) != logits.shape[0]:
+            raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(generators)} generators")
+        x = self.process_logits(logits, params, output_ids, prompt_ids, suppress)
+        b, v = x.shape
+        dev = x.device
+        samp = [i for i, p in enumerate(params) if not p.is_greedy]
+        if not samp:
+            return x.argmax(dim=-1)
+        out = torch.empty(b, dtype=torch.int64, device=dev)
+        greedy = [i for i, p in enumerate(params) if p.is_greedy]
+        if greedy:
+            gi = torch.tensor(greedy, device=dev)
+            out[gi] = x[gi].argmax(dim=-1)
+        si = torch.tensor(samp, device=dev)
+        probs = self.filtered_probs(x if len(samp) == b else x[si], [params[i] for i in samp])
+        noise = []
+        for i in samp:
+            g = generators[i]
+            if g is None:
+                raise ValueError(f"row {i} samples (temperature {params[i].temperature}) but has no generator")
+            noise.append(torch.empty(v, dtype=torch.float32, device=g.device).exponential_(generator=g).to(dev))
+        race = probs / torch.stack(noise).clamp_(min=torch.finfo(torch.float32).tiny)
+        out[si] = race.argmax(dim=-1)
+        return out

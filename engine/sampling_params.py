@@ -1,0 +1,217 @@
+"""Per-request sampling parameters: parsing, normalization and validation.
+
+Field names, defaults and the `verify` error messages follow SGLang's `SamplingParams`
+(shared/spec/http_api.md §2) so that HTTP 400 bodies carry the same text as SGLang's.
+`from_dict` is stricter than SGLang: unknown keys and wrongly typed values raise `ValueError`
+naming the field (SGLang raises a TypeError that surfaces as HTTP 500).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any
+
+MAX_N = 128
+"""Upper bound on `n` (parallel samples per prompt)."""
+
+GREEDY_EPS = 1e-6
+"""Temperatures below this are treated as greedy decoding (SGLang sets top_k=1 there)."""
+
+_INT_FIELDS = frozenset({"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"})
+_FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                           "repetition_penalty"})
+_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
+_STR_FIELDS = frozenset({"json_schema", "regex", "ebnf", "structural_tag"})
+_STR_LIST_FIELDS = frozenset({"stop", "stop_regex"})
+# Fields for which an explicit JSON null is a real value rather than "use the default".
+_NULL_IS_VALUE = frozenset({"max_new_tokens"})
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _as_int(name: str, v: Any) -> int:
+    if isinstance(v, int) and not isinstance(v, bool):
+        return v
+    if isinstance(v, float) and math.isfinite(v) and v.is_integer():
+        return int(v)
+    raise ValueError(f"{name} must be an integer, got {v!r}.")
+
+
+def _as_str_list(name: str, v: Any) -> list[str]:
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
+        return list(v)
+    raise ValueError(f"{name} must be a string or a list of strings, got {v!r}.")
+
+
+def _coerce(name: str, v: Any) -> Any:
+    """Type-check one non-null JSON value for field `name`; returns the value to store."""
+    if name in _INT_FIELDS:
+        return _as_int(name, v)
+    if name in _FLOAT_FIELDS:
+        if not _is_number(v):
+            raise ValueError(f"{name} must be a number, got {v!r}.")
+        return v  # kept as given so that error messages print it the way the client sent it
+    if name in _BOOL_FIELDS:
+        if not isinstance(v, bool):
+            raise ValueError(f"{name} must be a boolean, got {v!r}.")
+        return v
+    if name in _STR_FIELDS:
+        if not isinstance(v, str):
+            raise ValueError(f"{name} must be a string, got {v!r}.")
+        return v
+    if name in _STR_LIST_FIELDS:
+        return _as_str_list(name, v)
+    if name == "stop_token_ids":
+        if not isinstance(v, (list, tuple, set, frozenset)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {v!r}.")
+        return frozenset(_as_int("stop_token_ids", t) for t in v)
+    if name == "logit_bias":
+        if not isinstance(v, Mapping):
+            raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {v!r}.")
+        out: dict[str, float] = {}
+        for k, b in v.items():
+            key = str(k) if isinstance(k, int) and not isinstance(k, bool) else k
+            if not isinstance(key, str) or re.fullmatch(r"\s*[-+]?\d+\s*", key) is None:
+                raise ValueError(f"logit_bias keys must be token ids, got {k!r}.")
+            if not _is_number(b):
+                raise ValueError(f"logit_bias values must be numbers, got {b!r} for key {key!r}.")
+            out[key] = b
+        return out
+    if name == "custom_params":
+        if not isinstance(v, Mapping):
+            raise ValueError(f"custom_params must be an object, got {v!r}.")
+        return dict(v)
+    raise AssertionError(f"unhandled sampling field {name}")  # pragma: no cover
+
+
+@dataclass
+class SamplingParams:
+    """Sampling parameters of one request (SGLang names and defaults, http_api.md §2).
+
+    After construction `stop` and `stop_regex` are lists of strings (a single string is
+    wrapped), `stop_token_ids` is a frozenset and `logit_bias` has string keys. Build from
+    JSON with `from_dict`, then call `verify(vocab_size)` before scheduling the request.
+    """
+
+    max_new_tokens: int | None = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: frozenset[int] = frozenset()
+    stop_regex: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    logit_bias: dict[str, float] | None = None
+    sampling_seed: int | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
+    stream_interval: int | None = None
+    custom_params: dict[str, Any] | None = None
+
+    def __post_init__(self) -> None:
+        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.stop_regex = ([] if self.stop_regex is None else [self.stop_regex] if isinstance(self.stop_regex, str)
+                           else list(self.stop_regex))
+        self.stop_token_ids = frozenset(self.stop_token_ids or ())
+        if self.logit_bias is not None:
+            self.logit_bias = {str(k): v for k, v in self.logit_bias.items()}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+        """Parse a JSON `sampling_params` object; null values mean "use the default".
+
+        The exception is `max_new_tokens`, where null is a value: no limit (until EOS or the
+        context length). Raises `ValueError` for unknown keys and wrongly typed values.
+        """
+        if d is None:
+            return cls()
+        if not isinstance(d, Mapping):
+            raise ValueError(f"sampling_params must be an object, got {type(d).__name__}.")
+        names = [f.name for f in fields(cls)]
+        for key in d:
+            if key not in names:
+                raise ValueError(f"unknown sampling parameter {key!r}; valid parameters are: {', '.join(names)}")
+        kwargs = {k: _coerce(k, v) for k, v in d.items() if v is not None}
+        kwargs.update({k: None for k in _NULL_IS_VALUE if k in d and d[k] is None})
+        return cls(**kwargs)
+
+    def verify(self, vocab_size: int) -> None:
+        """Raise `ValueError` with SGLang's message if a value is out of range."""
+        t = self.temperature
+        if not (math.isfinite(t) and t >= 0):
+            raise ValueError(f"temperature must be a non-negative finite number, got {t}.")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if not (self.top_k == -1 or self.top_k >= 1):
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
+        if not -2.0 <= self.frequency_penalty <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
+        if not -2.0 <= self.presence_penalty <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
+        m = self.max_new_tokens
+        if m is not None and m < 0:
+            raise ValueError(f"max_new_tokens must be at least 0, got {m}.")
+        if self.min_new_tokens < 0 or (m is not None and self.min_new_tokens > m):
+            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({m})], got {self.min_new_tokens}.")
+        for key, bias in (self.logit_bias or {}).items():
+            if not 0 <= int(key) < vocab_size:
+                raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
+            if not math.isfinite(bias):
+                raise ValueError(f"logit_bias values must be finite numbers, got {bias} for key {key}.")
+        if sum(g is not None for g in (self.json_schema, self.regex, self.ebnf)) > 1:
+            raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
+        for tok in sorted(self.stop_token_ids):
+            if not 0 <= tok < vocab_size:
+                raise ValueError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {tok}.")
+        for pattern in self.stop_regex:
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
+            raise ValueError(f"sampling_seed must be in [-2**63, 2**64 - 1], got {self.sampling_seed}.")
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when decoding is greedy (argmax); such rows never consume randomness."""
+        return self.temperature < GREEDY_EPS
+
+    def derive(self, **changes: Any) -> SamplingParams:
+        """A copy with some fields replaced (e.g. `derive(n=1, sampling_seed=s + i)` for parallel samples)."""
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready copy of every field (`stop_token_ids` as a sorted list)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["stop"] = list(self.stop)
+        out["stop_regex"] = list(self.stop_regex)
+        out["stop_token_ids"] = sorted(self.stop_token_ids)
+        out["logit_bias"] = None if self.logit_bias is None else dict(self.logit_bias)
+        out["custom_params"] = None if self.custom_params is None else dict(self.custom_params)
+        return out
