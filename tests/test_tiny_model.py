@@ -7,7 +7,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from engine.config import load_config
 from engine.llm import LLM
