@@ -111,7 +111,7 @@ class Scheduler:
             n = min(budget, req.remaining_prefill())
             # NOTE: keep one free slot per request that will decode next step, so admitting new
             # work does not immediately force a retraction.
-            reserve = len(self.running) + len(chosen) + 1
+            reserve = len(self.running) + len(chosen) + 1 + sum(k for _, k in chosen)
             if not self._make_room(n + reserve):
                 n = self.allocator.available_size() - reserve
                 if n <= 0 or chosen or self.running:
