@@ -232,6 +232,16 @@ class Engine:
         self._touched = {}
         return outs
 
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every queued and running request with an error (after a failed step); report them."""
+        with self._lock:
+            new, self._inbox = self._inbox, []
+        for req in new:
+            self.scheduler.add(req)
+        for req in [*self.scheduler.waiting, *self.scheduler.running]:
+            self._end(req, {"type": "abort", "message": message, "status_code": 500}, message)
+        return self._collect()
+
     # ---- maintenance ------------------------------------------------------------------------
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests are queued or running."""

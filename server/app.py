@@ -1,0 +1,128 @@
+"""`create_app(state)`: the FastAPI app, its error envelopes, API-key check, body limit and lifespan."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.responses import Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.async_engine import EngineDeadError
+from server.errors import ApiError, error_response
+from server.routes_native import router as native_router
+from server.routes_openai import router as openai_router
+from server.routes_pools import router as pools_router
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+OPEN_PATHS = ("/health",)  # reachable without the API key
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid value')}")
+    return "Invalid request: " + "; ".join(parts)
+
+
+class BodyLimit:
+    """Refuse bodies over `limit` bytes with 413 before anything parses them (Content-Length or streamed)."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(path, send)
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            msg = await receive()
+            if msg["type"] == "http.request":
+                seen += len(msg.get("body", b""))
+                if seen > self.limit:
+                    raise ApiError(413, f"request body exceeds {self.limit} bytes (--max-request-bytes)")
+            return msg
+
+        await self.app(scope, limited, send)
+
+    async def _refuse(self, path: str, send: Send) -> None:
+        resp = error_response(path, 413, f"request body exceeds {self.limit} bytes (--max-request-bytes)")
+        await resp({"type": "http"}, None, send)  # type: ignore[arg-type]
+
+
+def create_app(state: ServerState) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.async_engine.start(asyncio.get_running_loop())
+        state.ready = True
+        yield
+        state.ready = False
+        await state.async_engine.drain(state.args.shutdown_grace_period)
+        state.async_engine.stop()
+
+    app = FastAPI(title="minimax-microserver", lifespan=lifespan)
+    app.state.server = state
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError):
+        return error_response(request, 400, _validation_message(exc))
+
+    @app.exception_handler(ApiError)
+    async def _api(request: Request, exc: ApiError):
+        return error_response(request, exc.status, exc.message, exc.extra)
+
+    @app.exception_handler(ValueError)
+    async def _value(request: Request, exc: ValueError):
+        return error_response(request, 400, str(exc))
+
+    @app.exception_handler(EngineDeadError)
+    async def _dead(request: Request, exc: EngineDeadError):
+        return error_response(request, 503, str(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        return error_response(request, 500, f"internal server error: {type(exc).__name__}")
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        key = state.args.api_key
+        if key and request.url.path not in OPEN_PATHS:
+            given = request.headers.get("authorization", "")
+            expected = f"Bearer {key}"
+            if not hmac.compare_digest(given.encode(), expected.encode()):
+                return error_response(request, 401, "Unauthorized: missing or wrong API key "
+                                      "(send 'Authorization: Bearer <key>')")
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok = state.ready and state.async_engine.alive
+        return Response(status_code=200 if ok else 503)
+
+    app.include_router(native_router)
+    app.include_router(openai_router)
+    app.include_router(pools_router)
+    if state.args.cors_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=state.args.cors_origins, allow_methods=["*"],
+                           allow_headers=["*"])
+    app.add_middleware(BodyLimit, limit=state.args.max_request_bytes)
+    return app

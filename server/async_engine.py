@@ -1,0 +1,138 @@
+"""The bridge between the asyncio event loop and the engine thread.
+
+`submit` validates on the caller's thread (so bad input is a 400 before any stream starts) and
+returns one asyncio queue per sample; the engine thread runs `Engine.step()` and hands each output
+to its queue with `call_soon_threadsafe`. A consumer that goes away (client disconnect) aborts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+
+from engine.engine import Engine
+from engine.request import LogprobOptions, RequestOutput
+from engine.sampling import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+Observer = Callable[[RequestOutput, float], None]
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped; no request can be served."""
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine, observer: Observer | None = None) -> None:
+        self.engine = engine
+        self.observer = observer
+        self.accepting = True
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.last_step_time = time.monotonic()
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=10)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if not self.engine.has_work():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # the batch is lost: fail its requests, keep serving the rest
+                logger.exception("engine step failed")
+                outs = self.engine.fail_all(f"internal error in the engine: {e}")
+            self.last_step_time = time.monotonic()
+            if outs and self._loop is not None:
+                self._loop.call_soon_threadsafe(self._dispatch, outs)
+
+    def _dispatch(self, outs: list[RequestOutput]) -> None:
+        now = time.monotonic()
+        for out in outs:
+            if self.observer is not None:
+                self.observer(out, now)
+            q = self._queues.get(out.rid)
+            if q is not None:
+                q.put_nowait(out)
+                if out.finished:
+                    del self._queues[out.rid]
+
+    # ---- requests (event-loop thread) -------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, logprob: LogprobOptions | None = None,
+               rid: str | None = None) -> list[str]:
+        """Validate and queue; raises ValueError for the client. Returns one rid per sample."""
+        if not self.accepting:
+            raise EngineDeadError("the server is shutting down")
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        if rid is not None and any(k == rid or k.startswith(rid + "_") for k in self._queues):
+            raise ValueError(f"rid {rid!r} is already in use by a running request.")
+        rids = self.engine.add_request(prompt_ids, params, logprob, rid)
+        for r in rids:
+            self._queues[r] = asyncio.Queue()
+        self._wake.set()
+        return rids
+
+    async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; abandoning the iterator aborts the request."""
+        q = self._queues.get(rid)
+        if q is None:
+            raise KeyError(rid)
+        finished = False
+        try:
+            while not finished:
+                out = await q.get()
+                finished = out.finished
+                yield out
+        finally:
+            if not finished:
+                self.abort(rid)
+
+    async def result(self, rid: str) -> RequestOutput:
+        out = None
+        async for out in self.stream(rid):
+            pass
+        assert out is not None
+        return out
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self.engine.abort(rid, abort_all)
+        self._wake.set()
+
+    async def drain(self, grace: float) -> None:
+        """Stop accepting; let in-flight requests finish for up to `grace` s, then abort the rest."""
+        self.accepting = False
+        deadline = time.monotonic() + grace
+        while self._queues and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self._queues:
+            self.abort(abort_all=True)
+            deadline = time.monotonic() + 5
+            while self._queues and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)

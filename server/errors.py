@@ -1,0 +1,35 @@
+"""The two error envelopes: native `{"error": {"message"}}` and OpenAI's flat ErrorResponse (/v1/*)."""
+
+from __future__ import annotations
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 409: "ConflictError",
+                413: "RequestTooLargeError", 500: "InternalServerError", 503: "ServiceUnavailableError"}
+
+
+class ApiError(Exception):
+    """An error with an HTTP status and a message for the client."""
+
+    def __init__(self, status: int, message: str, extra: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.extra = status, message, extra or {}
+
+
+def is_openai_path(path: str) -> bool:
+    return path.startswith("/v1/")
+
+
+def error_body(path: str, status: int, message: str, extra: dict | None = None) -> dict:
+    if is_openai_path(path):
+        body = {"object": "error", "message": message, "type": OPENAI_TYPES.get(status, str(status)),
+                "param": None, "code": status}
+        return body | (extra or {})
+    return {"error": {"message": message} | (extra or {})}
+
+
+def error_response(request: Request | str, status: int, message: str, extra: dict | None = None,
+                   headers: dict | None = None) -> JSONResponse:
+    path = request if isinstance(request, str) else request.url.path
+    return JSONResponse(error_body(path, status, message, extra), status_code=status, headers=headers)

@@ -1,0 +1,34 @@
+"""What every route needs, reachable as `request.app.state.server` (no module-level globals)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.engine import Engine
+from engine.tokenizer import Tokenizer
+from server.args import ServerArgs
+from server.async_engine import AsyncEngine
+
+
+@dataclass
+class ServerState:
+    args: ServerArgs
+    engine: Engine
+    async_engine: AsyncEngine
+    metrics: Any = None  # server.metrics.Metrics when --enable-metrics
+    started: float = field(default_factory=time.time)
+    ready: bool = False  # /health answers 503 until the engine thread runs, and again while draining
+
+    @property
+    def tokenizer(self) -> Tokenizer | None:
+        return self.engine.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.args.model_name
+
+    @property
+    def context_len(self) -> int:
+        return self.engine.context_len

@@ -1,0 +1,72 @@
+"""Start a real `python -m server` on 127.0.0.1 (a free port) for black-box HTTP tests."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "configs" / "tiny")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class LiveServer:
+    def __init__(self, proc: subprocess.Popen, url: str, log: Path) -> None:
+        self.proc, self.url, self.log = proc, url, log
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 60), **kw)
+
+    def logs(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def terminate(self, timeout: float = 60) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=timeout)
+
+
+def start_server(*args: str, log_dir: Path | None = None, wait: float = 90) -> LiveServer:
+    port = free_port()
+    log = (log_dir or Path("/tmp")) / f"server-{port}.log"
+    cmd = [sys.executable, "-m", "server", "--port", str(port), *args]
+    if "--model-path" not in args:
+        cmd += ["--model-path", TINY]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return LiveServer(proc, url, log)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy:\n{log.read_text()}")
+
+
+@contextmanager
+def live_server(*args: str, log_dir: Path | None = None) -> Iterator[LiveServer]:
+    srv = start_server(*args, log_dir=log_dir)
+    try:
+        yield srv
+    finally:
+        srv.terminate()
