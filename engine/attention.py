@@ -16,22 +16,19 @@ from engine.indexer import select_blocks, token_scores
 from mem_cache import MiniMaxSparseKVPool
 
 
-def _causal_mask(seg: Segment, n: int) -> torch.Tensor:
-    """[R, 1, T, N] bool: key position j visible to query t iff j <= q_pos[t]."""
-    j = torch.arange(n, device=seg.q_pos.device)
-    return (j[None, None, :] <= seg.q_pos[:, :, None]).unsqueeze(1)
+def gather_rows(buf: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """The segment's cached rows of one buffer [slots, heads, dim] -> [R, heads, N, dim]."""
+    rows = buf.index_select(0, seg.flat_slots)
+    return rows.view(seg.rows, seg.num_keys, buf.shape[1], buf.shape[2]).transpose(1, 2)
 
 
 def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg: Segment,
                     scale: float) -> torch.Tensor:
     """Causal attention of q [R*T, n_q, D] over the segment's cached K/V [slots, n_kv, D] (GQA)."""
     r, t = seg.rows, seg.queries
-    n = seg.max_pos + 1  # positions beyond every query's own are never visible
-    slots = seg.slots[:, :n]
-    k = k_buf[slots].transpose(1, 2)  # [R, n_kv, N, D]
-    v = v_buf[slots].transpose(1, 2)
+    k, v = gather_rows(k_buf, seg), gather_rows(v_buf, seg)  # [R, n_kv, N, D]
     qh = q.view(r, t, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, n_q, T, D]
-    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=_causal_mask(seg, n), scale=scale,
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=seg.attn_mask, is_causal=seg.is_causal, scale=scale,
                                        enable_gqa=k.shape[1] != qh.shape[1])
     return o.transpose(1, 2).reshape(r * t, -1)
 
@@ -50,9 +47,10 @@ def sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     valid = (blocks >= 0).repeat_interleave(block_size, dim=-1) & (pos <= seg.q_pos[:, None, :, None])
     pos = pos.masked_fill(~valid, 0)
     slots = torch.gather(seg.slots, 1, pos.reshape(r, -1)).view(pos.shape)
-    head = torch.arange(n_kv, device=blocks.device).view(1, n_kv, 1, 1)
-    k = k_buf[slots, head]  # [R, n_kv, T, K*B, D]
-    v = v_buf[slots, head]
+    # NOTE: row (slot, head) of a buffer viewed as [slots * n_kv, D] is slot * n_kv + head.
+    flat = (slots * n_kv + torch.arange(n_kv, device=blocks.device).view(1, n_kv, 1, 1)).reshape(-1)
+    k = k_buf.view(-1, d).index_select(0, flat).view(*slots.shape, d)  # [R, n_kv, T, K*B, D]
+    v = v_buf.view(-1, d).index_select(0, flat).view(*slots.shape, d)
     qh = q.view(r, t, n_kv, -1, d).transpose(1, 2)  # [R, n_kv, T, G, D]
     s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [R, n_kv, T, G, K*B]
     s = s.masked_fill(~valid[:, :, :, None, :], float("-inf"))
@@ -62,8 +60,7 @@ def sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 def select_for_segment(iq: torch.Tensor, ik_buf: torch.Tensor, seg: Segment, cfg: ModelConfig) -> torch.Tensor:
     """Run the indexer for one segment: iq [R*T, n_I, D_I] -> blocks [R, n_I, T, K]."""
-    n = seg.max_pos + 1
-    ik = ik_buf[seg.slots[:, :n]][:, :, 0, :]  # [R, N, D_I]
+    ik = gather_rows(ik_buf, seg)[:, 0]  # [R, N, D_I]
     iqh = iq.view(seg.rows, seg.queries, iq.shape[1], iq.shape[2])
     scores = token_scores(iqh, ik, seg.q_pos)
     return select_blocks(scores, seg.q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -30,6 +31,29 @@ class Segment:
     @property
     def end(self) -> int:
         return self.start + self.rows * self.queries
+
+    @property
+    def num_keys(self) -> int:
+        """Key positions any query of the segment can see: 0..max_pos."""
+        return self.max_pos + 1
+
+    @cached_property
+    def flat_slots(self) -> torch.Tensor:
+        """slots[:, :num_keys] flattened, for one index_select per buffer (built once per step)."""
+        return self.slots[:, : self.num_keys].reshape(-1)
+
+    @cached_property
+    def is_causal(self) -> bool:
+        """True when the plain top-left causal mask is exact (one row whose queries start at 0)."""
+        return self.rows == 1 and self.queries == self.num_keys
+
+    @cached_property
+    def attn_mask(self) -> torch.Tensor | None:
+        """[R, 1, T, N] bool (key j visible to query t iff j <= q_pos[t]); None when not needed."""
+        if self.is_causal or (self.queries == 1 and self.rows == 1):
+            return None
+        j = torch.arange(self.num_keys, device=self.q_pos.device)
+        return (j[None, None, :] <= self.q_pos[:, :, None]).unsqueeze(1)
 
 
 @dataclass

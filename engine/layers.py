@@ -13,6 +13,11 @@ from torch import nn
 from engine.config import ModelConfig
 
 
+def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in `dtype`, without a dispatch when it already is (decode runs hundreds of these per step)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 class GemmaRMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back to the input dtype at the end."""
 
@@ -20,15 +25,14 @@ class GemmaRMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim))
+        self.finalize()
+
+    def finalize(self) -> None:
+        """(1 + w) in fp32, derived from the loaded weight (a plain attribute: not in state_dict)."""
+        self.scale = [1.0 + self.weight.detach().float()]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (out * (1.0 + weight.float())).to(x.dtype)
+        return as_dtype(F.rms_norm(as_dtype(x, torch.float32), self.weight.shape, self.scale[0], self.eps), x.dtype)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -52,6 +56,42 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     if r == x.shape[-1]:
         return torch.cat(rotated, dim=-1)
     return torch.cat((*rotated, x[..., r:]), dim=-1)
+
+
+# NOTE: up to this many tokens per step, RoPE is one batched matmul with a per-token rotation matrix
+# (decode: one kernel instead of a dozen); above it, the elementwise form (no [T, D, D] tables).
+ROT_MATRIX_MAX_TOKENS = 64
+
+
+class Rotary:
+    """RoPE for one step's positions, computed once and applied by every layer to q, k, index q/k."""
+
+    def __init__(self, positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> None:
+        self.cos, self.sin = rope_cos_sin(positions, inv_freq, dtype)
+        self.use_matrix = positions.shape[0] <= ROT_MATRIX_MAX_TOKENS
+        self._mats: dict[int, torch.Tensor] = {}
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate x [T, heads, dim] (first r channels, NeoX halves; the rest pass through)."""
+        if not self.use_matrix:
+            return apply_rope(x, self.cos, self.sin)
+        d = x.shape[-1]
+        if d not in self._mats:
+            self._mats[d] = self._matrix(d)
+        return torch.matmul(x, self._mats[d])
+
+    def _matrix(self, d: int) -> torch.Tensor:
+        """M[t] with (x @ M[t]) == apply_rope(x) for token t: cos on the diagonal, +-sin across halves."""
+        t, half = self.cos.shape
+        m = torch.zeros(t, d, d, dtype=self.cos.dtype, device=self.cos.device)
+        i = torch.arange(half, device=m.device)
+        m[:, i, i] = self.cos
+        m[:, i + half, i + half] = self.cos
+        m[:, i + half, i] = -self.sin
+        m[:, i, i + half] = self.sin
+        rest = torch.arange(2 * half, d, device=m.device)
+        m[:, rest, rest] = 1
+        return m
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
@@ -93,28 +133,30 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k expert ids [T, k] and their normalized weights [T, k] (fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.router))
+        scores = torch.sigmoid(F.linear(as_dtype(x, torch.float32), self.router))
         _, ids = torch.topk(scores + self.router_bias, self.top_k, dim=-1, sorted=False)
         w = scores.gather(1, ids)
         return ids, w / w.sum(dim=-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ids, w = self.route(x)
-        if ids.numel() <= 2 * self.w13.shape[0]:
-            routed = self._gathered(x, ids, w)
+        if x.shape[0] * self.top_k <= self.w13.shape[0]:
+            out = self._per_token(x, ids, w)
         else:
-            routed = self._grouped(x, ids, w)
-        out = routed * self.scale
+            out = self._grouped(x, ids, w) * self.scale
         return out + self.shared(x) if self.shared is not None else out
 
-    def _gathered(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Few tokens: gather the chosen experts' weights and run one batched matmul (reads only them)."""
-        t, k = ids.shape
-        flat = ids.reshape(-1)
-        xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, H, 1]
-        act = swiglu_oai(torch.bmm(self.w13[flat], xs).squeeze(-1), self.alpha, self.limit)
-        y = torch.bmm(self.w2[flat], act.unsqueeze(-1)).squeeze(-1)  # [T*k, H]
-        return (y.view(t, k, -1) * w.to(y.dtype).unsqueeze(-1)).sum(dim=1)
+    def _per_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decode): each token runs its k experts on weight views, nothing gathered."""
+        rows = []
+        for t, (experts, weights) in enumerate(zip(ids.tolist(), w.tolist())):
+            acc = None
+            for e, wt in zip(experts, weights):
+                h = swiglu_oai(F.linear(x[t:t + 1], self.w13[e]), self.alpha, self.limit)
+                y = F.linear(h, self.w2[e]) * (wt * self.scale)
+                acc = y if acc is None else acc + y
+            rows.append(acc)
+        return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """Many tokens: one matmul per expert over the tokens routed to it."""

@@ -137,4 +137,6 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
     else:
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
     model.dummy_weights = load_format == "dummy" or not has_weights
-    return cast_model(model, dtype, device).eval()
+    model = cast_model(model, dtype, device).eval()
+    model.finalize()
+    return model

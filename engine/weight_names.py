@@ -67,20 +67,22 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{ours}.{norm}.weight"] = [_single(f"{p}.{norm}.weight", (h,))]
         a = f"{p}.self_attn"
-        main = ((f"{a}.q_proj.weight", (cfg.num_heads * d, h)), (f"{a}.k_proj.weight", (cfg.num_kv_heads * d, h)),
-                (f"{a}.v_proj.weight", (cfg.num_kv_heads * d, h)))
+        # NOTE: our fused projection's rows are q, k, [index q, index k], v, [index v]: the parts that
+        # are normed and rotated come first and are contiguous (see engine/model.py).
+        qk = ((f"{a}.q_proj.weight", (cfg.num_heads * d, h)), (f"{a}.k_proj.weight", (cfg.num_kv_heads * d, h)))
+        v = ((f"{a}.v_proj.weight", (cfg.num_kv_heads * d, h)),)
         o_main = ((f"{a}.o_proj.weight", (h, cfg.num_heads * d)),)
         out[f"{ours}.self_attn.q_norm"] = [_single(f"{a}.q_norm.weight", (d,))]
         out[f"{ours}.self_attn.k_norm"] = [_single(f"{a}.k_norm.weight", (d,))]
         if kind == "dense":
-            out[f"{ours}.self_attn.qkv_proj"] = [Recipe(main, _rows)]
+            out[f"{ours}.self_attn.qkv_proj"] = [Recipe(qk + v, _rows)]
             out[f"{ours}.self_attn.o_proj"] = [Recipe(o_main, _one)]
         else:
             iq_shape, ik_shape = (cfg.index_num_heads * di, h), (di, h)
             value = ((f"{a}.index_v_proj.weight", (di, h)),) if kind == "sparse_index_kv" else ()
             out[f"{ours}.self_attn.qkv_proj"] = [
-                Recipe(main + ((f"{a}.index_q_proj.weight", iq_shape), (f"{a}.index_k_proj.weight", ik_shape)) + value, _rows),
-                Recipe(main + ((f"{a}.indexer.q_proj.weight", iq_shape), (f"{a}.indexer.k_proj.weight", ik_shape)) + value, _rows),
+                Recipe(qk + ((f"{a}.index_q_proj.weight", iq_shape), (f"{a}.index_k_proj.weight", ik_shape)) + v + value, _rows),
+                Recipe(qk + ((f"{a}.indexer.q_proj.weight", iq_shape), (f"{a}.indexer.k_proj.weight", ik_shape)) + v + value, _rows),
             ]
             o_index = ((f"{a}.index_o_proj.weight", (h, cfg.index_num_heads * di)),) if kind == "sparse_index_kv" else ()
             out[f"{ours}.self_attn.o_proj"] = [Recipe(o_main + o_index, _cols)]

@@ -72,7 +72,8 @@ class _MHAPoolBase:
                 f"{type(self).__name__} '{self.name}': {what} of shape {tuple(data.shape)} does not fit "
                 f"{loc.numel()} slots x [{self.head_num}, {self.head_dim}]"
             )
-        return data.reshape(-1, self.head_num, self.head_dim).to(self.dtype)
+        rows = data.reshape(-1, self.head_num, self.head_dim)
+        return rows if rows.dtype == self.dtype else rows.to(self.dtype)
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         self._check_layer(layer_id)
@@ -81,7 +82,7 @@ class _MHAPoolBase:
     def set_k_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor) -> None:
         """Write K rows `loc` of local layer `layer_id` (cast to the pool dtype)."""
         self._check_layer(layer_id)
-        self.k_buffer[layer_id][loc] = self._rows(loc, cache_k, "cache_k")
+        self.k_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_k, "cache_k"))
 
     def _tensors(self) -> list[torch.Tensor]:
         return list(self.k_buffer)
@@ -131,8 +132,8 @@ class MHATokenToKVPool(_MHAPoolBase):
     ) -> None:
         """Write K and V rows `loc` of local layer `layer_id` (cast to the pool dtype)."""
         self._check_layer(layer_id)
-        self.k_buffer[layer_id][loc] = self._rows(loc, cache_k, "cache_k")
-        self.v_buffer[layer_id][loc] = self._rows(loc, cache_v, "cache_v")
+        self.k_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_k, "cache_k"))
+        self.v_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_v, "cache_v"))
 
     def _tensors(self) -> list[torch.Tensor]:
         return [*self.k_buffer, *self.v_buffer]
