@@ -38,6 +38,8 @@ class Engine:
         self._aborts: list[tuple[str, bool]] = []
         self._touched: dict[str, Req] = {}
         self._hidden: set[str] = set()
+        self._groups: dict[str, list[str]] = {}  # rid of an n > 1 request -> the rids it expanded into
+        self._step_lock = threading.Lock()  # held while a step runs: maintenance waits for it
         self.fault_hook = None  # tests: callable(req) raising to simulate a per-request engine failure
 
     # ---- submission (any thread) ------------------------------------------------------------
@@ -80,11 +82,14 @@ class Engine:
             sub = self._make_req(rid if n == 1 else f"{rid}_{i}", prompt_ids, params.derive(n=1, sampling_seed=seed), logprob)
             sub.depends_on = parent
             reqs.append(sub)
+        samples = [r.rid for r in reqs if r is not parent]
         with self._lock:
             if parent is not None:
                 self._hidden.add(parent.rid)
+            if n > 1:
+                self._groups[rid] = [r.rid for r in reqs]
             self._inbox.extend(reqs)
-        return [r.rid for r in reqs if r is not parent]
+        return samples
 
     def _make_req(self, rid: str, prompt_ids: list[int], params: SamplingParams, logprob: LogprobOptions) -> Req:
         seed = params.sampling_seed
@@ -105,11 +110,12 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step: take new requests and aborts, run one batch, report what changed."""
-        self._drain_inbox()
-        batch = self.scheduler.next_batch()
-        if batch is not None:
-            self._run(batch)
-        return self._collect()
+        with self._step_lock:
+            self._drain_inbox()
+            batch = self.scheduler.next_batch()
+            if batch is not None:
+                self._run(batch)
+            return self._collect()
 
     def _drain_inbox(self) -> None:
         with self._lock:
@@ -118,8 +124,9 @@ class Engine:
         for req in new:
             self.scheduler.add(req)
         for rid, everything in aborts:
+            targets = set(self._groups.get(rid, [rid]))  # an n > 1 request aborts all its samples
             for req in [r for r in (*self.scheduler.waiting, *self.scheduler.running)
-                        if everything or r.rid == rid or (rid and r.rid.startswith(rid + "_"))]:
+                        if everything or r.rid in targets]:
                 waiting = req.row < 0
                 self._end(req, {"type": "abort", "message": ABORT_WAITING if waiting else "Aborted by request.",
                                 "status_code": None})
@@ -222,15 +229,23 @@ class Engine:
                 if req.finished:
                     self._hidden.discard(rid)
                 continue
+            if req.finished:
+                self._forget_group(rid)
             new = req.output_ids[req.sent_ids:]
             req.sent_ids = len(req.output_ids)
             outs.append(RequestOutput(
                 rid=rid, new_ids=new, output_ids=list(req.output_ids), text=req.stop.released_text(),
                 finished=req.finished, finish_reason=req.finish_reason, prompt_tokens=len(req.prompt_ids),
-                cached_tokens=req.cached_tokens, logprobs=req.logprobs if req.logprob.return_logprob else None,
+                cached_tokens=req.cached_tokens, logprobs=req.logprobs.snapshot() if req.logprob.return_logprob else None,
                 num_retractions=req.num_retractions, error=req.error))
         self._touched = {}
         return outs
+
+    def _forget_group(self, rid: str) -> None:
+        base = rid.rsplit("_", 1)[0]
+        group = self._groups.get(base)
+        if group and all(self.scheduler.find(r) is None for r in group if r != rid):
+            del self._groups[base]
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every queued and running request with an error (after a failed step); report them."""
@@ -244,11 +259,15 @@ class Engine:
 
     # ---- maintenance ------------------------------------------------------------------------
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests are queued or running."""
-        if self.has_work():
-            return False
-        self.radix.flush()
-        return True
+        """Drop the prefix cache; refused (False) while requests are queued or running.
+
+        Safe from any thread: it waits for a running step to end, so no request is mid-release.
+        """
+        with self._step_lock:
+            if self.has_work():
+                return False
+            self.radix.flush()
+            return True
 
     def check_integrity(self) -> bool:
         return self.scheduler.check_integrity()

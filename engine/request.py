@@ -31,6 +31,10 @@ class Logprobs:
     output_top: list[list[tuple[float, int]]] = field(default_factory=list)
     output_ids: list[list[tuple[float, int]]] = field(default_factory=list)
 
+    def snapshot(self) -> Logprobs:
+        """A copy the engine thread will not append to (outputs cross to the event loop)."""
+        return Logprobs(*(list(getattr(self, f)) for f in self.__dataclass_fields__))
+
 
 @dataclass
 class RequestOutput:

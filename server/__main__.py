@@ -11,6 +11,7 @@ from engine.engine import Engine
 from server.app import create_app
 from server.args import ServerArgs, parse_args
 from server.async_engine import AsyncEngine
+from server.graceful import GracefulServer
 from server.metrics import Metrics
 from server.state import ServerState
 
@@ -20,7 +21,8 @@ logger = logging.getLogger("server")
 def build_state(args: ServerArgs) -> ServerState:
     engine = Engine(args.engine_args())
     metrics = Metrics(args.model_name, engine) if args.enable_metrics else None
-    async_engine = AsyncEngine(engine, observer=metrics.observe if metrics else None)
+    async_engine = AsyncEngine(engine, observer=metrics.observe if metrics else None,
+                               on_submit=metrics.on_submit if metrics else None)
     return ServerState(args=args, engine=engine, async_engine=async_engine, metrics=metrics)
 
 
@@ -29,14 +31,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         state = build_state(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad flags, missing files, no tokenizer: say so, exit non-zero
         logger.error("cannot start: %s", e)
+        print(f"error: cannot start the server: {e}", file=sys.stderr)
         return 2
     app = create_app(state)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=int(args.shutdown_grace_period) + 5, access_log=False)
-    server = uvicorn.Server(config)
-    server.run()
+    GracefulServer(config, state).run()
     return 0
 
 

@@ -29,7 +29,8 @@ def _validation_message(exc: RequestValidationError) -> str:
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg', 'invalid value')}")
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        parts.append(f"{loc or 'body'}: {msg}")
     return "Invalid request: " + "; ".join(parts)
 
 
@@ -62,6 +63,26 @@ class BodyLimit:
     async def _refuse(self, path: str, send: Send) -> None:
         resp = error_response(path, 413, f"request body exceeds {self.limit} bytes (--max-request-bytes)")
         await resp({"type": "http"}, None, send)  # type: ignore[arg-type]
+
+
+class ApiKeyAuth:
+    """Require `Authorization: Bearer <key>` on every route but OPEN_PATHS (401 in the path's envelope).
+
+    A pure ASGI middleware (not `@app.middleware("http")`): it never wraps `receive`, so routes still
+    see the client's disconnect, and streaming responses pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope.get("path", "") not in OPEN_PATHS:
+            given = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                resp = error_response(scope.get("path", ""), 401, "Unauthorized: missing or wrong API key "
+                                      "(send 'Authorization: Bearer <key>')")
+                return await resp(scope, receive, send)
+        await self.app(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -102,17 +123,6 @@ def create_app(state: ServerState) -> FastAPI:
         logger.exception("unhandled error on %s", request.url.path)
         return error_response(request, 500, f"internal server error: {type(exc).__name__}")
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = state.args.api_key
-        if key and request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            expected = f"Bearer {key}"
-            if not hmac.compare_digest(given.encode(), expected.encode()):
-                return error_response(request, 401, "Unauthorized: missing or wrong API key "
-                                      "(send 'Authorization: Bearer <key>')")
-        return await call_next(request)
-
     @app.get("/health")
     async def health() -> Response:
         ok = state.ready and state.async_engine.alive
@@ -121,6 +131,8 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(pools_router)
+    if state.args.api_key:  # NOTE: added before CORS so CORS preflights are answered without the key
+        app.add_middleware(ApiKeyAuth, key=state.args.api_key)
     if state.args.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=state.args.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])

@@ -20,6 +20,7 @@ from engine.sampling import SamplingParams
 logger = logging.getLogger(__name__)
 
 Observer = Callable[[RequestOutput, float], None]
+SubmitHook = Callable[[list[str], float], None]
 
 
 class EngineDeadError(RuntimeError):
@@ -27,9 +28,10 @@ class EngineDeadError(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, observer: Observer | None = None) -> None:
+    def __init__(self, engine: Engine, observer: Observer | None = None, on_submit: SubmitHook | None = None) -> None:
         self.engine = engine
-        self.observer = observer
+        self.observer = observer  # sees every output on the event loop (metrics)
+        self.on_submit = on_submit  # sees every accepted request's rids and arrival time (metrics)
         self.accepting = True
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -96,14 +98,23 @@ class AsyncEngine:
         rids = self.engine.add_request(prompt_ids, params, logprob, rid)
         for r in rids:
             self._queues[r] = asyncio.Queue()
+        if self.on_submit is not None:
+            self.on_submit(rids, time.monotonic())
         self._wake.set()
         return rids
 
-    async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; abandoning the iterator aborts the request."""
+    def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request until it finishes; abandoning the iterator mid-way aborts the request.
+
+        NOTE: the queue is looked up now, not at the first iteration: a request can finish (and its
+        queue leave `_queues`) before a consumer starts iterating. Raises KeyError for an unknown rid.
+        """
         q = self._queues.get(rid)
         if q is None:
             raise KeyError(rid)
+        return self._iterate(rid, q)
+
+    async def _iterate(self, rid: str, q: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -115,11 +126,11 @@ class AsyncEngine:
                 self.abort(rid)
 
     async def result(self, rid: str) -> RequestOutput:
-        out = None
+        last = None
         async for out in self.stream(rid):
-            pass
-        assert out is not None
-        return out
+            last = out
+        assert last is not None
+        return last
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.engine.abort(rid, abort_all)

@@ -1,13 +1,159 @@
-"""Placeholder: Prometheus metrics come in the next step."""
+"""Prometheus metrics with SGLang's names (http_api.md §3 /metrics), in a registry of their own.
+
+Request-side counters and histograms are fed on the event loop: `on_submit(rids, now)` when
+AsyncEngine accepts a request, `observe(out, now)` for every output. Scheduler and pool gauges are
+read from the engine at scrape time (plain ints and list lengths: safe to read from the loop thread).
+"""
 
 from __future__ import annotations
 
+import time
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from engine.request import RequestOutput
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TTFT_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
+ITL_BUCKETS = [0.002, 0.004, 0.006, 0.008, 0.010, 0.015, 0.020, 0.025, 0.030, 0.035, 0.040, 0.060, 0.080,
+               0.100, 0.200, 0.400, 0.600, 0.800, 1.0, 2.0, 4.0, 6.0, 8.0]
+E2E_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400]
+QUEUE_BUCKETS = [0.0, 0.01, 0.05, 0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600]
+THROUGHPUT_WINDOW_S = 10.0
+
+
+@dataclass
+class _ReqTimes:
+    arrival: float
+    first_token: float | None = None
+    last_token: float | None = None
+    seen_tokens: int = 0
+
+
+class _EngineGauges:
+    """A custom collector: scheduler and per-sub-pool gauges read from the engine at scrape time."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.m = metrics
+
+    def collect(self) -> Any:
+        m, eng = self.m, self.m.engine
+        alloc, sched, pool = eng.runner.allocator, eng.scheduler, eng.runner.pool
+        used = alloc.used_size()
+        values = {
+            "num_running_reqs": ("The number of running requests.", len(sched.running)),
+            "num_used_tokens": ("The number of used KV tokens (prefix cache included).", used),
+            "token_usage": ("The KV token usage (0-1).", used / alloc.size),
+            "gen_throughput": ("The generation throughput (token/s).", m.gen_throughput()),
+            "num_queue_reqs": ("The number of requests in the waiting queue.", len(sched.waiting)),
+            "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
+            "cache_hit_rate": ("The prefix cache hit rate.", m.cache_hit_rate()),
+            "spec_accept_length": ("The average speculative accept length.", 0.0),
+            "max_total_num_tokens": ("The KV pool size in tokens.", alloc.size),
+        }
+        for name, (doc, value) in values.items():
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            g.add_metric([m.model_name], float(value))
+            yield g
+        per_pool = {
+            "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: used),
+            "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: alloc.available_size()),
+            "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes()),
+        }
+        for name, (doc, fn) in per_pool.items():
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name", "pool"])
+            for p in pool.sub_pools():
+                g.add_metric([m.model_name, p.name], float(fn(p)))
+            yield g
 
 
 class Metrics:
+    """All of the server's metrics; `render()` is the /metrics body."""
+
     def __init__(self, model_name: str, engine: Any) -> None:
         self.model_name, self.engine = model_name, engine
+        self.registry = CollectorRegistry()
+        lab, reg = ["model_name"], self.registry
 
-    def observe(self, out: Any, now: float) -> None:
-        pass
+        def counter(name: str, doc: str) -> Any:
+            return Counter(f"sglang:{name}", doc, lab, registry=reg).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+            return Histogram(f"sglang:{name}", doc, lab, registry=reg, buckets=buckets).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.")
+        self.cached_tokens = counter("cached_tokens", "Number of cached prompt tokens.")
+        self.num_requests = counter("num_requests", "Number of requests processed.")
+        self.num_aborted = counter("num_aborted_requests", "Number of requests aborted.")
+        self.num_so = counter("num_so_requests", "Number of structured output requests processed.")
+        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                              TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+                             ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                             E2E_BUCKETS)
+        # NOTE: the engine reports no admission time, so queue time is measured up to the first output
+        # (queueing + prefill), the closest the server can see.
+        self.queue_time = histogram("queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS)
+        reg.register(_EngineGauges(self))
+        self._reqs: dict[str, _ReqTimes] = {}
+        self._recent: deque[tuple[float, int]] = deque()  # (time, generated tokens) for gen_throughput
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    # ---- feeding (event loop) ---------------------------------------------------------------------
+    def on_submit(self, rids: list[str], now: float) -> None:
+        for rid in rids:
+            self._reqs[rid] = _ReqTimes(now)
+
+    def observe(self, out: RequestOutput, now: float) -> None:
+        t = self._reqs.get(out.rid)
+        if t is None:  # not submitted through AsyncEngine (e.g. an engine-internal request)
+            return
+        new = len(out.output_ids) - t.seen_tokens
+        if new > 0:
+            if t.first_token is None:
+                self.ttft.observe(now - t.arrival)
+                self.queue_time.observe(now - t.arrival)
+                if new > 1:
+                    self._itl(now - t.arrival, new - 1)
+            else:
+                self._itl(now - (t.last_token or now), new)
+            t.first_token = t.first_token or now
+            t.last_token, t.seen_tokens = now, len(out.output_ids)
+            self._recent.append((now, new))
+            self.gen_throughput(now)  # prunes the window
+        if out.finished:
+            del self._reqs[out.rid]
+            self.prompt_tokens.inc(out.prompt_tokens)
+            self.generation_tokens.inc(len(out.output_ids))
+            self.cached_tokens.inc(out.cached_tokens)
+            self._prompt_total += out.prompt_tokens
+            self._cached_total += out.cached_tokens
+            self.num_requests.inc()
+            if (out.finish_reason or {}).get("type") == "abort":
+                self.num_aborted.inc()
+            self.e2e.observe(now - t.arrival)
+
+    def _itl(self, interval: float, tokens: int) -> None:
+        for _ in range(tokens):
+            self.itl.observe(interval / tokens)
+
+    # ---- derived values -----------------------------------------------------------------------------
+    def gen_throughput(self, now: float | None = None) -> float:
+        """Generated tokens per second over the last THROUGHPUT_WINDOW_S seconds."""
+        now = time.monotonic() if now is None else now
+        while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
+            self._recent.popleft()
+        return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
+
+    def cache_hit_rate(self) -> float:
+        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -7,7 +7,7 @@ import torch
 from orig_checkpoint import make_config, random_state_dict, write_checkpoint
 from test_parity_transformers import prompt_logits
 
-from engine.attention import dense_attention, sparse_attention
+from engine.attention import dense_attention, gathered_sparse_attention, masked_sparse_attention
 from engine.forward_batch import Segment
 from engine.indexer import select_blocks
 from engine.llm import LLM
@@ -76,8 +76,12 @@ def _random_segment(n: int, t: int, perm: torch.Tensor) -> Segment:
     return Segment(0, 1, t, perm[:n].view(1, -1), q_pos, n - 1)
 
 
+SPARSE_PATHS = [gathered_sparse_attention, masked_sparse_attention]
+
+
+@pytest.mark.parametrize("sparse_attention", SPARSE_PATHS)
 @pytest.mark.parametrize("block,n,t", [(4, 37, 37), (16, 100, 9), (8, 64, 1)])
-def test_sparse_with_topk_covering_every_block_equals_dense(block, n, t):
+def test_sparse_with_topk_covering_every_block_equals_dense(sparse_attention, block, n, t):
     g = torch.Generator().manual_seed(block)
     n_kv, group, d = 2, 3, 8
     k_buf, v_buf = torch.randn(300, n_kv, d, generator=g), torch.randn(300, n_kv, d, generator=g)
@@ -95,8 +99,9 @@ def test_sparse_with_topk_covering_every_block_equals_dense(block, n, t):
         assert (sparse_attention(q, k_buf, v_buf, fewer, seg, block, d ** -0.5) - dense).abs().max().item() > 1e-3
 
 
-def test_sparse_attention_equals_masked_dense_reference():
-    """Gathered block-sparse attention equals dense attention with the block mask applied."""
+@pytest.mark.parametrize("sparse_attention", SPARSE_PATHS)
+def test_sparse_attention_equals_masked_dense_reference(sparse_attention):
+    """Both block-sparse paths equal a naive softmax over exactly the selected, causal keys."""
     g = torch.Generator().manual_seed(1)
     block, n, t, n_kv, group, d = 4, 45, 45, 2, 2, 8
     k_buf, v_buf = torch.randn(64, n_kv, d, generator=g), torch.randn(64, n_kv, d, generator=g)

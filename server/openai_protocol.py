@@ -1,0 +1,223 @@
+"""Pydantic models of the OpenAI-compatible API: /v1/completions and /v1/chat/completions (http_api.md §3).
+
+Requests ignore unknown keys (like OpenAI and SGLang); wrongly typed values are a 400 (routes_openai).
+`SamplingFields.sampling_dict` translates the OpenAI names into `SamplingParams` names.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+WEIGHT_VERSION = "default"
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+
+
+class SamplingFields(BaseModel):
+    """The request fields shared by completions and chat (OpenAI names plus SGLang's extras)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: str = "default"
+    n: int | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+    regex: str | None = None
+    json_schema: str | None = None
+    ebnf: str | None = None
+    rid: str | None = None
+
+    def unsupported(self) -> str | None:
+        """The first requested feature this server does not implement, if any."""
+        for name in ("regex", "json_schema", "ebnf"):
+            if getattr(self, name) is not None:
+                return f"{name} (constrained decoding) is not supported by this server."
+        return None
+
+    def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
+        """SamplingParams keys (`SamplingParams.from_dict` treats None as "use the default")."""
+        return {
+            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens, "n": self.n,
+            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+            "repetition_penalty": self.repetition_penalty, "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids, "sampling_seed": self.seed, "logit_bias": self.logit_bias,
+            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+            "no_stop_trim": self.no_stop_trim,
+        }
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+
+def _positive(v: int | None, name: str) -> int | None:
+    if v is not None and v <= 0:
+        raise ValueError(f"{name} must be positive, got {v}")
+    return v
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = 16
+    logprobs: int | None = Field(default=None, ge=0)
+    echo: bool | None = False
+    suffix: str | None = None
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None) -> int | None:
+        return _positive(v, "max_tokens")
+
+    def unsupported(self) -> str | None:
+        if self.suffix:
+            return "suffix (insertion) is not supported by this server."
+        return super().unsupported()
+
+
+class ChatMessage(BaseModel):
+    """One message; extra keys (name, tool_call_id, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = False
+    top_logprobs: int | None = Field(default=None, ge=0)
+    continue_final_message: bool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    @field_validator("max_tokens", "max_completion_tokens")
+    @classmethod
+    def _max_tokens(cls, v: int | None, info: Any) -> int | None:
+        return _positive(v, info.field_name)
+
+    def unsupported(self) -> str | None:
+        if self.tools:
+            return "tools (function calling) are not supported by this server."
+        if self.response_format and self.response_format.get("type", "text") != "text":
+            return f"response_format {self.response_format.get('type')!r} is not supported by this server."
+        return super().unsupported()
+
+
+# ---- responses ------------------------------------------------------------------------------------
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+    reasoning_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageInfo | None = None
+    metadata: dict[str, str] | None = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    bytes: list[int]
+    logprob: float | None
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: str = "assistant"
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageInfo
+    metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: dict[str, str]  # {"role", "content"} first, then {"content"}, and {} in the final frame
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: Literal["stop", "length", "abort"] | None = None
+    matched_stop: int | str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: UsageInfo | None = None

@@ -1,0 +1,143 @@
+"""Pydantic models of the native API's request bodies (http_api.md §1.1, §3).
+
+Types are strict where SGLang's dataclass binding would reject a value: `"stream": "x"` or
+`"text": 5` is a 400 (never coerced, never a 422). Unknown top-level keys are ignored, like
+SGLang's. Each shape check raises one readable message instead of pydantic's per-union-branch list.
+Sampling parameters stay a plain dict here: `SamplingParams.from_dict` owns their validation.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, field_validator
+
+
+def _kind(v: Any) -> str:
+    """The JSON type name of a value, for error messages."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "boolean"
+    if isinstance(v, (int, float)):
+        return "number"
+    if isinstance(v, str):
+        return "string"
+    if isinstance(v, list):
+        return "array"
+    return "object" if isinstance(v, dict) else type(v).__name__
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _scalar_or_list(name: str, v: Any, ok: Any, what: str) -> Any:
+    """Accept `ok(v)` or a list of such values; anything else -> ValueError naming the field."""
+    if v is None or ok(v) or (isinstance(v, list) and all(ok(x) for x in v)):
+        return v
+    raise ValueError(f"{name} must be {what} or a list of them, got {_kind(v)}")
+
+
+def _ids_or_batch(name: str, v: Any) -> Any:
+    """A list of token ids, or a list of such lists."""
+    if v is None:
+        return v
+    if isinstance(v, list) and (all(_is_int(x) for x in v) or
+                                all(isinstance(x, list) and all(_is_int(t) for t in x) for x in v)):
+        return v
+    raise ValueError(f"{name} must be a list of integer token ids or a list of such lists, got {_kind(v)}")
+
+
+class GenerateReqInput(BaseModel):
+    """POST /generate (§1.1). Shapes only; batch and value rules live in `server.generate_inputs`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    text: StrictStr | list[StrictStr] | None = None
+    input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
+    input_embeds: Any = None  # refused: out of scope
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: StrictBool | None = False
+    rid: StrictStr | list[StrictStr] | None = None
+    return_logprob: StrictBool | list[StrictBool] | None = None
+    logprob_start_len: StrictInt | list[StrictInt] | None = None
+    top_logprobs_num: StrictInt | list[StrictInt] | None = None
+    token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
+    return_text_in_logprobs: StrictBool | None = False
+
+    @field_validator("text", mode="before")
+    @classmethod
+    def _text(cls, v: Any) -> Any:
+        return _scalar_or_list("text", v, lambda x: isinstance(x, str), "a string")
+
+    @field_validator("input_ids", "token_ids_logprob", mode="before")
+    @classmethod
+    def _ids(cls, v: Any, info: Any) -> Any:
+        return _ids_or_batch(info.field_name, v)
+
+    @field_validator("sampling_params", mode="before")
+    @classmethod
+    def _sampling(cls, v: Any) -> Any:
+        return _scalar_or_list("sampling_params", v, lambda x: isinstance(x, dict), "an object")
+
+    @field_validator("rid", mode="before")
+    @classmethod
+    def _rid(cls, v: Any) -> Any:
+        return _scalar_or_list("rid", v, lambda x: isinstance(x, str), "a string")
+
+    @field_validator("stream", "return_text_in_logprobs", mode="before")
+    @classmethod
+    def _bool(cls, v: Any, info: Any) -> Any:
+        if v is None or isinstance(v, bool):
+            return v
+        raise ValueError(f"{info.field_name} must be a boolean, got {_kind(v)}")
+
+    @field_validator("return_logprob", mode="before")
+    @classmethod
+    def _bools(cls, v: Any) -> Any:
+        return _scalar_or_list("return_logprob", v, lambda x: isinstance(x, bool), "a boolean")
+
+    @field_validator("logprob_start_len", "top_logprobs_num", mode="before")
+    @classmethod
+    def _ints(cls, v: Any, info: Any) -> Any:
+        return _scalar_or_list(info.field_name, v, _is_int, "an integer")
+
+
+class AbortReq(BaseModel):
+    """POST /abort_request (§3): an empty rid without abort_all aborts nothing."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    rid: StrictStr = ""
+    abort_all: StrictBool = False
+
+
+class TokenizeReq(BaseModel):
+    """POST /tokenize: `{"prompt": str | [str], "add_special_tokens": true}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    prompt: StrictStr | list[StrictStr]
+    add_special_tokens: StrictBool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> Any:
+        return _scalar_or_list("prompt", v, lambda x: isinstance(x, str), "a string")
+
+
+class DetokenizeReq(BaseModel):
+    """POST /detokenize: `{"tokens": [int] | [[int]], "skip_special_tokens": true}`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    tokens: list[StrictInt] | list[list[StrictInt]]
+    skip_special_tokens: StrictBool = True
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _tokens(cls, v: Any) -> Any:
+        if v is None:
+            raise ValueError("tokens must be a list of integer token ids or a list of such lists, got null")
+        return _ids_or_batch("tokens", v)

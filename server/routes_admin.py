@@ -1,0 +1,153 @@
+"""Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated
+`/get_*` aliases), /tokenize, /detokenize and /metrics (http_api.md §3)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+import uuid
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.sampling import SamplingParams
+from server import __version__
+from server.errors import ApiError
+from server.metrics import CONTENT_TYPE
+from server.protocol import DetokenizeReq, TokenizeReq
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+router = APIRouter()
+HEALTH_TIMEOUT_S = 20.0
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request) -> Response:
+    """One greedy token from `input_ids=[0]`: 200 if the engine answers within 20 s, else 503."""
+    state = _state(request)
+    if not state.ready:
+        return Response(status_code=503)
+    eng = state.async_engine
+    params = SamplingParams(max_new_tokens=1, temperature=0.0)
+    (rid,) = eng.submit([0], params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+    try:
+        out = await asyncio.wait_for(eng.result(rid), HEALTH_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        logger.error("health_generate: no answer from the engine within %.0f s", HEALTH_TIMEOUT_S)
+        return Response(status_code=503)
+    ok = (out.finish_reason or {}).get("type") != "abort"
+    return Response(status_code=200 if ok else 503)
+
+
+def _model_info(state: ServerState) -> dict[str, Any]:
+    args, cfg = state.args, state.engine.cfg
+    return {
+        "model_path": args.model_path,
+        "tokenizer_path": None if args.skip_tokenizer_init else (args.tokenizer_path or args.model_path),
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": cfg.model_type,
+        "architectures": list(cfg.architectures),
+    }
+
+
+@router.get("/model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    return _model_info(_state(request))
+
+
+@router.get("/get_model_info", deprecated=True)
+async def get_model_info(request: Request) -> dict[str, Any]:
+    logger.warning("/get_model_info is deprecated; use /model_info")
+    return _model_info(_state(request))
+
+
+def _server_info(state: ServerState) -> dict[str, Any]:
+    eng, args = state.engine, state.args
+    alloc, sched = eng.runner.allocator, eng.scheduler
+    used = alloc.used_size()
+    info: dict[str, Any] = dataclasses.asdict(args)
+    if info.get("api_key"):
+        info["api_key"] = "<redacted>"
+    status = "ready" if state.ready else ("starting" if state.async_engine.accepting else "shutting_down")
+    metrics = state.metrics
+    info.update({
+        "served_model_name": args.model_name,
+        "context_len": eng.context_len,
+        "max_total_num_tokens": alloc.size,
+        "max_req_input_len": min(eng.context_len, alloc.size) - 1,
+        "status": status,
+        "internal_states": [{
+            "last_gen_throughput": metrics.gen_throughput() if metrics is not None else None,
+            "num_running_reqs": len(sched.running),
+            "num_queue_reqs": len(sched.waiting),
+            "num_used_tokens": used,
+            "token_usage": used / alloc.size,
+            "memory_usage": {"kv_cache_bytes": eng.runner.pool.total_bytes()},
+        }],
+        "uptime_s": round(time.time() - state.started, 3),
+        "version": __version__,
+    })
+    return info
+
+
+@router.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    return _server_info(_state(request))
+
+
+@router.get("/get_server_info", deprecated=True)
+async def get_server_info(request: Request) -> dict[str, Any]:
+    logger.warning("/get_server_info is deprecated; use /server_info")
+    return _server_info(_state(request))
+
+
+def _tokenizer(state: ServerState) -> Any:
+    if state.tokenizer is None:
+        raise ApiError(400, "this server runs with --skip-tokenizer-init: it has no tokenizer.")
+    return state.tokenizer
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    tok = _tokenizer(state)
+    if isinstance(body.prompt, str):
+        ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.context_len}
+    batch = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
+    return {"tokens": batch, "count": [len(x) for x in batch], "max_model_len": state.context_len}
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
+    state = _state(request)
+    tok = _tokenizer(state)
+    vocab = state.engine.cfg.vocab_size
+    seqs = [body.tokens] if not body.tokens or isinstance(body.tokens[0], int) else body.tokens
+    for seq in seqs:
+        bad = [t for t in seq if not 0 <= t < vocab]  # type: ignore[operator]
+        if bad:
+            raise ApiError(400, f"tokens must be in [0, {vocab - 1}], got {bad[0]}.")
+    texts = [tok.decode(list(s), skip_special_tokens=body.skip_special_tokens) for s in seqs]  # type: ignore[arg-type]
+    return {"text": texts[0] if seqs is not body.tokens else texts}
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    m = _state(request).metrics
+    if m is None:
+        return JSONResponse({"error": {"message": "metrics are disabled; start the server with --enable-metrics"}},
+                            status_code=404)
+    return Response(m.render(), media_type=CONTENT_TYPE)

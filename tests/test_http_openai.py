@@ -1,0 +1,482 @@
+"""Black-box tests of the OpenAI-compatible routes (http_api.md §3, §4 items 30-37) on a live server.
+
+One server of the default model (configs/tiny: random weights, byte-level BPE, ChatML template) serves
+the whole module; requests go through both httpx and the official `openai` client. The tiny model
+generates random text, so finish reasons are forced with logit_bias.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+
+import httpx
+import openai
+import pytest
+
+from engine.request import RequestOutput
+from engine.tokenizer import Tokenizer
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from server.openai_stream import Job, chat_stream, completion_stream
+from tests.server_utils import TINY, LiveServer, live_server
+
+PROMPT = "The capital of France is"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a color."}]
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LiveServer]:
+    with live_server() as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def http(server: LiveServer) -> Iterator[httpx.Client]:
+    with server.client() as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def oai(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tok() -> Tokenizer:
+    return Tokenizer.from_dir(TINY)
+
+
+@pytest.fixture(scope="module")
+def model_name(http: httpx.Client) -> str:
+    return http.get("/v1/models").json()["data"][0]["id"]
+
+
+def sse_frames(resp: httpx.Response) -> list[dict]:
+    """Parse an SSE body strictly: only `data: ` lines, JSON each, ending with `data: [DONE]`."""
+    assert resp.status_code == 200, resp.text
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in resp.text.split("\n") if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    assert lines[-1] == "data: [DONE]"
+    assert lines.count("data: [DONE]") == 1
+    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+
+
+def chat_prompt_len(tok: Tokenizer, messages: list[dict]) -> int:
+    return len(tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), add_special_tokens=False))
+
+
+# ---- item 30: models ----------------------------------------------------------------------------------
+def test_model_list_and_retrieve(http: httpx.Client, oai: openai.OpenAI, model_name: str) -> None:
+    body = http.get("/v1/models").json()
+    assert body["object"] == "list" and len(body["data"]) == 1
+    card = body["data"][0]
+    assert card["object"] == "model" and card["owned_by"] == "sglang" and card["parent"] is None
+    assert isinstance(card["max_model_len"], int) and isinstance(card["created"], int)
+    assert [m.id for m in oai.models.list()] == [model_name]
+    got = oai.models.retrieve(model_name)
+    assert got.id == got.root == model_name
+    assert http.get(f"/v1/models/{model_name}").json() == card
+
+
+def test_unknown_model_is_404(http: httpx.Client, oai: openai.OpenAI) -> None:
+    r = http.get("/v1/models/x")
+    assert r.status_code == 404
+    assert r.json() == {"error": {"message": "The model 'x' does not exist", "type": "invalid_request_error",
+                                  "param": "model", "code": "model_not_found"}}
+    with pytest.raises(openai.NotFoundError):
+        oai.models.retrieve("no-such-model")
+
+
+# ---- item 31: the completions grid ---------------------------------------------------------------------
+@pytest.mark.parametrize("echo,logprobs,use_list,n,token_ids",
+                         list(itertools.product([False, True], [None, 5], [False, True], [1, 2], [False, True])))
+def test_completion_grid(oai: openai.OpenAI, tok: Tokenizer, echo: bool, logprobs: int | None, use_list: bool,
+                         n: int, token_ids: bool) -> None:
+    prompts = [PROMPT, "Once upon a time"] if use_list else [PROMPT]
+    ids = [tok.encode(p) for p in prompts]
+    if token_ids:
+        prompt_arg = ids if use_list else ids[0]
+    else:
+        prompt_arg = prompts if use_list else prompts[0]
+    r = oai.completions.create(model="default", prompt=prompt_arg, max_tokens=8, temperature=0.8, n=n,
+                               echo=echo, logprobs=logprobs, extra_body={"ignore_eos": True})
+    assert r.id and r.created > 0 and r.object == "text_completion"
+    assert len(r.choices) == len(prompts) * n
+    assert [c.index for c in r.choices] == list(range(len(prompts) * n))
+    for c in r.choices:
+        assert isinstance(c.text, str)
+        if echo:
+            assert c.text.startswith(prompts[c.index // n])
+        if logprobs:
+            assert isinstance(c.logprobs.tokens[0], str)
+            assert isinstance(c.logprobs.top_logprobs[1], dict) and len(c.logprobs.top_logprobs[1]) > 0
+            prompt_entries = len(ids[c.index // n]) if echo else 0
+            assert len(c.logprobs.tokens) == prompt_entries + 8 == len(c.logprobs.token_logprobs)
+            assert (c.logprobs.token_logprobs[0] is None) == echo
+        else:
+            assert c.logprobs is None
+    assert r.usage.prompt_tokens == sum(len(x) for x in ids)
+    assert r.usage.completion_tokens == 8 * len(prompts) * n
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens > 0
+
+
+def test_completion_raw_shape(http: httpx.Client, tok: Tokenizer) -> None:
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "logprobs": 3,
+                                           "ignore_eos": True})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage", "metadata"}
+    assert body["model"] == "default" and body["metadata"] == {"weight_version": "default"}
+    assert body["usage"] == {"prompt_tokens": len(tok.encode(PROMPT)), "completion_tokens": 4, "total_tokens":
+                             len(tok.encode(PROMPT)) + 4, "prompt_tokens_details": None, "reasoning_tokens": 0}
+    choice = body["choices"][0]
+    assert set(choice) == {"index", "text", "logprobs", "finish_reason", "matched_stop"}
+    assert (choice["finish_reason"], choice["matched_stop"]) == ("length", None)
+    lp = choice["logprobs"]
+    assert set(lp) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
+    assert all(len(top) == 3 for top in lp["top_logprobs"])
+    offsets = [0]
+    for t in lp["tokens"][:-1]:
+        offsets.append(offsets[-1] + len(t))
+    assert lp["text_offset"] == offsets
+    # greedy: the chosen token is the most likely one
+    for chosen, top in zip(lp["token_logprobs"], lp["top_logprobs"]):
+        assert chosen == pytest.approx(max(top.values()))
+
+
+def test_token_id_prompt_with_echo_returns_decoded_prompt(http: httpx.Client, tok: Tokenizer) -> None:
+    ids = tok.encode("Hello there, general")
+    r = http.post("/v1/completions", json={"prompt": ids, "max_tokens": 3, "echo": True, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith(tok.decode(ids))
+    assert r.json()["usage"]["prompt_tokens"] == len(ids)
+
+
+# ---- item 32: completion stream with usage ---------------------------------------------------------------
+def test_completion_stream_usage(oai: openai.OpenAI, http: httpx.Client, tok: Tokenizer) -> None:
+    stream = oai.completions.create(model="default", prompt=[PROMPT, "Hi"], max_tokens=6, n=2, stream=True,
+                                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    usage = None
+    for chunk in stream:
+        if chunk.usage is not None:
+            usage = chunk.usage
+            assert chunk.choices == []
+            continue
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                assert c.index not in finished
+                finished[c.index] = c.finish_reason
+    assert sorted(texts) == sorted(finished) == [0, 1, 2, 3]
+    assert set(finished.values()) <= {"length", "stop"}
+    assert usage is not None
+    assert usage.prompt_tokens == len(tok.encode(PROMPT)) + len(tok.encode("Hi"))
+    assert usage.completion_tokens > 0 and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+    r = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "stream": True, "echo": True,
+                                           "logprobs": 2, "temperature": 0})
+    frames = sse_frames(r)
+    assert all("usage" not in f for f in frames)
+    assert frames[0]["choices"][0]["text"].startswith(PROMPT)
+    entries = sum(len(f["choices"][0]["logprobs"]["tokens"]) for f in frames)
+    assert entries == len(tok.encode(PROMPT)) + 5
+    assert [f["choices"][0]["finish_reason"] for f in frames][-1] == "length"
+    plain = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "echo": True, "temperature": 0})
+    assert "".join(f["choices"][0]["text"] for f in frames) == plain.json()["choices"][0]["text"]
+
+
+# ---- item 33: chat ---------------------------------------------------------------------------------------
+def test_chat_completion(oai: openai.OpenAI, tok: Tokenizer) -> None:
+    r = oai.chat.completions.create(model="default", messages=CHAT, max_tokens=6, n=2, logprobs=True,
+                                    top_logprobs=5, temperature=0.7, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.object == "chat.completion"
+    assert len(r.id) == 32 and int(r.id, 16) >= 0  # a uuid hex
+    for c in r.choices:
+        assert c.message.role == "assistant" and isinstance(c.message.content, str)
+        assert len(c.logprobs.content) == 6
+        for entry in c.logprobs.content:
+            assert isinstance(entry.token, str) and entry.bytes == list(entry.token.encode())
+            assert len(entry.top_logprobs) == 5
+    assert r.usage.prompt_tokens == chat_prompt_len(tok, CHAT)
+    assert r.usage.completion_tokens == 12 and r.usage.total_tokens == r.usage.prompt_tokens + 12
+
+
+def test_chat_raw_shape(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 3, "ignore_eos": True})
+    body = r.json()
+    assert r.status_code == 200, body
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage", "metadata"}
+    choice = body["choices"][0]
+    assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"],
+                                 "reasoning_content": None, "tool_calls": None}
+    assert choice["logprobs"] is None and choice["finish_reason"] == "length" and choice["matched_stop"] is None
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_continue_final_message(http: httpx.Client, tok: Tokenizer) -> None:
+    msgs = [{"role": "user", "content": "Count."}, {"role": "assistant", "content": "one two"}]
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, "continue_final_message": True})
+    assert r.status_code == 200, r.text
+    prefix = tok.apply_chat_template(msgs[:1], add_generation_prompt=True) + "one two"
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(prefix, add_special_tokens=False))
+    bad = http.post("/v1/chat/completions", json={"messages": msgs[:1], "continue_final_message": True})
+    assert bad.status_code == 400 and "assistant" in bad.json()["message"]
+
+
+# ---- item 34: chat stream framing ------------------------------------------------------------------------
+def test_chat_stream_framing(http: httpx.Client, oai: openai.OpenAI) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 5, "n": 2, "stream": True, "ignore_eos": True,
+                                                "stream_options": {"include_usage": True}, "logprobs": True})
+    frames = sse_frames(r)
+    assert len({f["id"] for f in frames}) == 1
+    assert all(f["object"] == "chat.completion.chunk" for f in frames)
+    usage = frames[-1]
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 10
+    per_index: dict[int, list[dict]] = {0: [], 1: []}
+    for f in frames[:-1]:
+        assert "usage" not in f and len(f["choices"]) == 1
+        per_index[f["choices"][0]["index"]].append(f["choices"][0])
+    for choices in per_index.values():
+        assert choices[0]["delta"] == {"role": "assistant", "content": ""}
+        ends = [c for c in choices if c["finish_reason"] is not None]
+        assert len(ends) == 1 and ends[0] is choices[-1]
+        assert ends[0]["delta"] == {} and ends[0]["finish_reason"] == "length" and ends[0]["matched_stop"] is None
+        assert sum(len(c["logprobs"]["content"]) for c in choices[1:-1]) == 5
+
+    roles, finishes = [], []
+    for chunk in oai.chat.completions.create(model="default", messages=CHAT, max_tokens=4, stream=True,
+                                              extra_body={"ignore_eos": True}):
+        for c in chunk.choices:
+            roles += [c.delta.role] if c.delta.role else []
+            finishes += [c.finish_reason] if c.finish_reason else []
+    assert roles == ["assistant"] and finishes == ["length"]
+
+
+def test_continuous_usage_stats(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "stream": True, "ignore_eos": True,
+                                                "stream_options": {"include_usage": True,
+                                                                   "continuous_usage_stats": True}})
+    frames = sse_frames(r)
+    assert all("usage" in f for f in frames)
+    assert [f["usage"]["completion_tokens"] for f in frames][-2:] == [3, 3]
+
+
+def test_greedy_chat_stream_equals_non_stream(http: httpx.Client, oai: openai.OpenAI) -> None:
+    kw = {"model": "default", "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    full = oai.chat.completions.create(**kw)
+    parts = [c.delta.content or "" for chunk in oai.chat.completions.create(**kw, stream=True)
+             for c in chunk.choices]
+    assert "".join(parts) == full.choices[0].message.content
+    completion = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0}).json()
+    frames = sse_frames(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 24, "temperature": 0,
+                                                           "stream": True}))
+    assert "".join(f["choices"][0]["text"] for f in frames) == completion["choices"][0]["text"]
+
+
+def test_seed_is_reproducible(oai: openai.OpenAI) -> None:
+    a, b = (oai.completions.create(model="default", prompt=PROMPT, max_tokens=12, temperature=1.0, seed=1234)
+            for _ in range(2))
+    assert a.choices[0].text == b.choices[0].text
+
+
+# ---- item 35: finish fields ------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("case", ["newline", "eos", "length"])
+def test_finish_fields(http: httpx.Client, tok: Tokenizer, route: str, case: str) -> None:
+    newline = tok.encode("\n")
+    assert len(newline) == 1
+    eos = tok.eos_token_id
+    extra = {"newline": {"stop": ["\n"], "logit_bias": {str(newline[0]): 100}},
+             "eos": {"logit_bias": {str(eos): 100}},
+             "length": {"max_tokens": 5, "ignore_eos": True}}[case]
+    body = {"temperature": 0, "max_tokens": 16, **extra}
+    if route == "completions":
+        r = http.post("/v1/completions", json={"prompt": PROMPT, **body})
+    else:
+        r = http.post("/v1/chat/completions", json={"messages": CHAT, **body})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    expected = {"newline": ("stop", "\n"), "eos": ("stop", eos), "length": ("length", None)}[case]
+    assert (choice["finish_reason"], choice["matched_stop"]) == expected
+    text = choice["text"] if route == "completions" else choice["message"]["content"]
+    if case != "length":
+        assert text == ""  # the stop string / EOS is trimmed
+    assert r.json()["usage"]["completion_tokens"] == (5 if case == "length" else 1)
+
+
+# ---- item 36: error bodies -------------------------------------------------------------------------------
+def _assert_openai_400(r: httpx.Response, needle: str) -> None:
+    assert r.status_code == 400, r.text
+    body = r.json()
+    assert body["object"] == "error" and body["type"] == "BadRequestError" and body["code"] == 400
+    assert body["param"] is None and needle in body["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_error_body(http: httpx.Client, route: str, stream: bool) -> None:
+    base = {"prompt": PROMPT} if route == "/v1/completions" else {"messages": CHAT}
+    cases = [({"temperature": -1}, "temperature must be a non-negative finite number"),
+             ({"top_p": 1.5}, "top_p must be in (0, 1]"),
+             ({"max_tokens": 0}, "max_tokens"),
+             ({"n": 0}, "n must be in"),
+             ({"logit_bias": {"999999": 1}}, "logit_bias must has keys in"),
+             ({"regex": "a+"}, "not supported"),
+             ({"stream": "x"}, "stream"),
+             ({"stop": 5}, "stop")]
+    for extra, needle in cases:
+        _assert_openai_400(http.post(route, json={**base, "stream": stream, **extra}), needle)
+    _assert_openai_400(http.post(route, content=json.dumps(base), headers={"content-type": "text/plain"}),
+                       "application/json")
+    _assert_openai_400(http.post(route, content=b"{not json", headers={"content-type": "application/json"}),
+                       "Invalid request")
+
+
+def test_error_body_openai_client_and_prompts(http: httpx.Client, oai: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.completions.create(model="default", prompt=PROMPT, temperature=-1)
+    assert err.value.status_code == 400 and err.value.body["type"] == "BadRequestError"
+    for prompt in ("", [], [[]], ["a", ""]):
+        _assert_openai_400(http.post("/v1/completions", json={"prompt": prompt}), "Prompt cannot be empty")
+    _assert_openai_400(http.post("/v1/completions", json={"prompt": 5}), "prompt")
+    _assert_openai_400(http.post("/v1/completions", json={}), "prompt")
+    _assert_openai_400(http.post("/v1/chat/completions", json={"messages": []}), "messages")
+    _assert_openai_400(http.post("/v1/chat/completions", json={"messages": CHAT, "top_logprobs": 2}),
+                       "top_logprobs")
+
+
+def test_context_length_errors(http: httpx.Client, tok: Tokenizer) -> None:
+    ctx = http.get("/v1/models").json()["data"][0]["max_model_len"]
+    n_prompt = len(tok.encode(PROMPT))
+    msg = f"Requested token count exceeds the model's maximum context length of {ctx} tokens"
+    _assert_openai_400(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": ctx}), msg)
+    _assert_openai_400(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": ctx, "stream": True}),
+                       msg)
+    _assert_openai_400(http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": ctx}), msg)
+    ok = http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": ctx - n_prompt, "n": 1,
+                                            "stop_token_ids": list(range(4096)), "min_tokens": 0})
+    assert ok.status_code == 200 and ok.json()["choices"][0]["finish_reason"] == "stop"  # prompt + max == ctx
+    _assert_openai_400(http.post("/v1/completions", json={"prompt": [7] * ctx}),
+                       "is longer than the model's context length")
+
+
+# ---- item 37: penalties ----------------------------------------------------------------------------------
+def test_frequency_penalty(oai: openai.OpenAI) -> None:
+    r = oai.completions.create(model="default", prompt=PROMPT, max_tokens=12, frequency_penalty=1.0,
+                               presence_penalty=0.5)
+    assert isinstance(r.choices[0].text, str)
+    c = oai.chat.completions.create(model="default", messages=CHAT, max_tokens=12, frequency_penalty=1.0,
+                                    extra_body={"repetition_penalty": 1.2, "top_k": 20, "min_p": 0.05})
+    assert isinstance(c.choices[0].message.content, str)
+
+
+# ---- disconnects abort -----------------------------------------------------------------------------------
+def _rid_frees_up(http: httpx.Client, rid: str, within: float = 5.0) -> bool:
+    """A rid can be reused once its request has ended (AsyncEngine refuses rids in flight)."""
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "rid": rid})
+        if r.status_code == 200:
+            return True
+        assert "already in use" in r.json()["message"]
+        time.sleep(0.1)
+    return False
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_client_disconnect_aborts(server: LiveServer, http: httpx.Client, stream: bool) -> None:
+    rid = f"disconnect-{stream}"
+    body = {"messages": CHAT, "max_tokens": 20000, "ignore_eos": True, "stream": stream, "rid": rid}
+    with server.client(timeout=0.5) as c:
+        if stream:
+            with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                lines = r.iter_lines()
+                assert next(lines).startswith("data: ")
+        else:
+            with pytest.raises(httpx.ReadTimeout):
+                c.post("/v1/chat/completions", json=body)
+    assert _rid_frees_up(http, rid)  # 20000 tokens would take far longer than 5 s
+
+
+# ---- in-process: the stream machinery with a stand-in engine -----------------------------------------
+class _FakeEngine:
+    """Stands in for AsyncEngine: scripted outputs per rid; records abandoned readers and aborts."""
+
+    def __init__(self, script: dict[str, list[RequestOutput]], hang: bool = False) -> None:
+        self.script, self.hang = script, hang
+        self.closed: list[str] = []
+        self.aborted: list[str] = []
+
+    async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
+        finished = False
+        try:
+            for out in self.script[rid]:
+                finished = out.finished
+                yield out
+            if self.hang:
+                await asyncio.sleep(3600)
+        finally:
+            if not finished:
+                self.closed.append(rid)
+
+    def abort(self, rid: str) -> None:
+        self.aborted.append(rid)
+
+
+def _out(rid: str, ids: list[int], text: str, reason: dict | None) -> RequestOutput:
+    return RequestOutput(rid=rid, new_ids=ids[-1:], output_ids=ids, text=text, finished=reason is not None,
+                         finish_reason=reason, prompt_tokens=3, cached_tokens=0, logprobs=None)
+
+
+def _job(fake: _FakeEngine, rids: list[str], n: int) -> Job:
+    return Job(ae=fake, id="j", created=1, model="m", rids=rids, n=n, prompt_lens=[3],  # type: ignore[arg-type]
+               streams=[fake.stream(r) for r in rids])
+
+
+def test_stream_error_after_start_is_an_error_event(tok: Tokenizer) -> None:
+    fail = {"type": "abort", "message": "internal error in the engine: boom", "status_code": 500}
+    fake = _FakeEngine({"a": [_out("a", [5], "x", None), _out("a", [5], "x", fail)]})
+    resp = chat_stream(tok, _job(fake, ["a"], 1), ChatCompletionRequest(messages=CHAT, stream=True))
+
+    async def drain() -> list[str]:
+        return [f async for f in resp.body_iterator]  # type: ignore[misc]
+
+    frames = asyncio.run(drain())
+    assert frames[-1] == "data: [DONE]\n\n"
+    err = json.loads(frames[-2][len("data: "):])
+    assert err == {"error": {"message": "internal error in the engine: boom", "type": "InternalServerError",
+                             "param": None, "code": 500}}
+    assert json.loads(frames[1][len("data: "):])["choices"][0]["delta"] == {"content": "x"}
+
+
+def test_closing_a_stream_aborts_unfinished_samples(tok: Tokenizer) -> None:
+    done = {"type": "length", "length": 1}
+    fake = _FakeEngine({"r_0": [_out("r_0", [5], "x", done)], "r_1": [_out("r_1", [6], "y", None)]}, hang=True)
+    resp = completion_stream(tok, _job(fake, ["r_0", "r_1"], 2), CompletionRequest(prompt="p", stream=True))
+
+    async def read_then_close() -> None:
+        frames = resp.body_iterator
+        for _ in range(2):
+            await anext(frames)  # type: ignore[call-overload]
+        await frames.aclose()  # type: ignore[attr-defined]  # what EventStreamResponse does on disconnect
+
+    asyncio.run(read_then_close())
+    assert fake.closed == ["r_1"] and fake.aborted == ["r_1"]
+
+
+def test_client_gone_before_first_frame_aborts_all(tok: Tokenizer) -> None:
+    fake = _FakeEngine({"a": [_out("a", [5], "x", None)]}, hang=True)
+    resp = completion_stream(tok, _job(fake, ["a"], 1), CompletionRequest(prompt="p", stream=True))
+
+    async def send(message: dict) -> None:
+        raise OSError("client went away")
+
+    with pytest.raises(OSError):
+        asyncio.run(resp.stream_response(send))
+    assert fake.aborted == ["a"]  # the reader never started, so only on_close could abort it
