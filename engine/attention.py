@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, Segment
-from engine.indexer import select_blocks, token_scores
+from engine.indexer import block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
 
@@ -37,6 +37,9 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, s
 # selection as a mask beats gathering K*B keys per query (measured on CPU: ~3-7x faster at N <= 2k,
 # slower from N ~ 4k on). Both paths compute exactly model.md §3.4.
 MASKED_SPARSE_MAX_FACTOR = 12
+# Queries handled at once by the indexer and the sparse paths of a long extend (keeps their
+# [queries, keys] scores and gathered K/V cache-sized).
+SPARSE_QUERY_CHUNK = 256
 
 
 def masked_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, blocks: torch.Tensor,
@@ -80,12 +83,67 @@ def gathered_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch
     return o.transpose(1, 2).reshape(r * t, -1)
 
 
+def block_sparse_attention(q: torch.Tensor, k_rows: torch.Tensor, v_rows: torch.Tensor, blocks: torch.Tensor,
+                           seg: Segment, block_size: int, scale: float) -> torch.Tensor:
+    """Sparse attention for a one-row extend, gathering whole selected blocks from contiguous copies.
+
+    k_rows/v_rows: the request's keys/values as [n_kv, nb, B, D] (positions padded to whole blocks),
+    built once per layer; blocks [1, n_kv, T, K]. Same math as `gathered_sparse_attention`, with
+    block-sized (not row-sized) copies.
+    """
+    t, (n_kv, nb, b, d) = seg.queries, k_rows.shape
+    sel = blocks[0]  # [n_kv, T, K]
+    valid_block = sel >= 0
+    idx = (torch.where(valid_block, sel, 0) + torch.arange(n_kv, device=sel.device).view(n_kv, 1, 1) * nb).reshape(-1)
+    k = k_rows.view(n_kv * nb, b * d).index_select(0, idx).view(n_kv, t, -1, d)  # [n_kv, T, K*B, D]
+    v = v_rows.view(n_kv * nb, b * d).index_select(0, idx).view(n_kv, t, -1, d)
+    pos = (torch.where(valid_block, sel, 0)[..., None] * b + torch.arange(b, device=sel.device)).flatten(-2)
+    valid = valid_block.repeat_interleave(b, dim=-1) & (pos <= seg.q_pos[0][None, :, None])  # [n_kv, T, K*B]
+    qh = q.view(t, n_kv, -1, d).transpose(0, 1)  # [n_kv, T, G, D]
+    s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [n_kv, T, G, K*B]
+    s = s.masked_fill(~valid[:, :, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)  # [n_kv, T, G, D]
+    return o.transpose(0, 1).reshape(t, -1)
+
+
+def blocked_rows(buf: torch.Tensor, seg: Segment, block_size: int) -> torch.Tensor:
+    """A one-row segment's cached rows as a contiguous [heads, nb, B, dim] copy (padded to whole blocks)."""
+    rows = gather_rows(buf, seg)[0]  # [heads, N, dim]
+    nb = -(-seg.num_keys // block_size)
+    rows = F.pad(rows, (0, 0, 0, nb * block_size - seg.num_keys)).contiguous()
+    return rows.view(rows.shape[0], nb, block_size, rows.shape[-1])
+
+
 def select_for_segment(iq: torch.Tensor, ik_buf: torch.Tensor, seg: Segment, cfg: ModelConfig) -> torch.Tensor:
     """Run the indexer for one segment: iq [R*T, n_I, D_I] -> blocks [R, n_I, T, K]."""
     ik = gather_rows(ik_buf, seg)[:, 0]  # [R, N, D_I]
     iqh = iq.view(seg.rows, seg.queries, iq.shape[1], iq.shape[2])
-    scores = token_scores(iqh, ik, seg.q_pos)
+    scores = block_scores(iqh, ik, seg.q_pos, cfg.block_size)
     return select_blocks(scores, seg.q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks)
+
+
+def sparse_segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor, seg: Segment, pool: MiniMaxSparseKVPool,
+                   cfg: ModelConfig, scale: float) -> torch.Tensor:
+    """Indexer + block-sparse attention for one segment, choosing the cheapest exact path."""
+    k_buf, v_buf = pool.get_kv_buffer(layer_id)
+    ik_buf = pool.get_index_k_buffer(layer_id)
+    b, budget = cfg.block_size, cfg.topk_blocks * cfg.block_size
+    if seg.rows > 1 or seg.queries == 1:  # decode: gather just the selected keys of each row
+        blocks = select_for_segment(iq[seg.start:seg.end], ik_buf, seg, cfg)
+        attend = masked_sparse_attention if seg.num_keys <= MASKED_SPARSE_MAX_FACTOR * budget else gathered_sparse_attention
+        return attend(q[seg.start:seg.end], k_buf, v_buf, blocks, seg, b, scale)
+    outs = []
+    k_rows = v_rows = None
+    for sub in seg.split(SPARSE_QUERY_CHUNK):  # bounded intermediates for long prompts
+        blocks = select_for_segment(iq[sub.start:sub.end], ik_buf, sub, cfg)
+        qs = q[sub.start:sub.end]
+        if sub.num_keys <= MASKED_SPARSE_MAX_FACTOR * budget:
+            outs.append(masked_sparse_attention(qs, k_buf, v_buf, blocks, sub, b, scale))
+            continue
+        if k_rows is None:  # the whole request's K/V in block layout, once per layer
+            k_rows, v_rows = blocked_rows(k_buf, seg, b), blocked_rows(v_buf, seg, b)
+        outs.append(block_sparse_attention(qs, k_rows, v_rows, blocks, sub, b, scale))
+    return torch.cat(outs) if len(outs) > 1 else outs[0]
 
 
 def attention_layer(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, fb: ForwardBatch,
@@ -105,10 +163,7 @@ def attention_layer(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, fb:
         if kind == "dense" or seg.max_pos // cfg.block_size < cfg.topk_blocks:
             out[seg.start:seg.end] = dense_attention(qs, k_buf, v_buf, seg, scale)
         else:
-            blocks = select_for_segment(iq[seg.start:seg.end], pool.get_index_k_buffer(layer_id), seg, cfg)
-            masked = seg.num_keys <= MASKED_SPARSE_MAX_FACTOR * cfg.topk_blocks * cfg.block_size
-            attend = masked_sparse_attention if masked else gathered_sparse_attention
-            out[seg.start:seg.end] = attend(qs, k_buf, v_buf, blocks, seg, cfg.block_size, scale)
+            out[seg.start:seg.end] = sparse_segment(layer_id, q, iq, seg, pool, cfg, scale)
     if kind != "sparse_index_kv":
         return out, None
     ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)

@@ -271,3 +271,11 @@ class Engine:
 
     def check_integrity(self) -> bool:
         return self.scheduler.check_integrity()
+
+    def integrity_ok(self) -> bool:
+        """`check_integrity()` from any thread: waits for a running step to end; False instead of raising."""
+        with self._step_lock:
+            try:
+                return self.check_integrity()
+            except AssertionError:
+                return False

@@ -42,6 +42,16 @@ class Segment:
         """slots[:, :num_keys] flattened, for one index_select per buffer (built once per step)."""
         return self.slots[:, : self.num_keys].reshape(-1)
 
+    def split(self, max_queries: int) -> list[Segment]:
+        """Sub-segments of at most `max_queries` queries (one-row extends; their positions are
+        consecutive, so each piece sees keys up to its own last query)."""
+        if self.rows != 1 or self.queries <= max_queries:
+            return [self]
+        last = self.max_pos - self.queries + 1  # position of query 0
+        return [Segment(self.start + a, 1, min(max_queries, self.queries - a), self.slots,
+                        self.q_pos[:, a:a + max_queries], last + min(self.queries, a + max_queries) - 1)
+                for a in range(0, self.queries, max_queries)]
+
     @cached_property
     def is_causal(self) -> bool:
         """True when the plain top-left causal mask is exact (one row whose queries start at 0)."""

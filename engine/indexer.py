@@ -6,42 +6,50 @@ Prefill, chunked prefill and decode all call `select_blocks`, so every path sele
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
 
-def token_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor) -> torch.Tensor:
-    """Causally masked index scores in fp32, no scale (model.md §3.2).
+def block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-block max of the index scores over keys j <= p_t, fp32, no scale (model.md §3.2).
 
-    iq [R, T, H, D_I] (normed, rotated index queries), ik [R, N, D_I] (cached index keys),
-    q_pos [R, T] -> [R, H, T, N] with -inf at every key position later than the query.
+    iq [R, T, H, D_I] (normed, rotated index queries), ik [R, N, D_I] (cached index keys), q_pos [R, T]
+    -> [R, H, T, nb]. Only the query's own block needs the token-level causal mask (blocks before it
+    are wholly visible); it is recomputed causally. Blocks after it keep unmasked values, which
+    `select_blocks` never reads (they are not visible).
     """
-    scores = torch.einsum("rthd,rnd->rhtn", iq.float(), ik.float())
-    future = torch.arange(ik.shape[1], device=ik.device)[None, None, :] > q_pos[:, :, None]
-    return scores.masked_fill(future[:, None], NEG_INF)
+    r, t, h, _ = iq.shape
+    nb = -(-ik.shape[1] // block_size)
+    # NOTE: padding keys are zero rows; they sit past every query (j >= N > p_t), so only the
+    # own-block recomputation below could see them, and it masks them.
+    ikp = F.pad(ik.float(), (0, 0, 0, nb * block_size - ik.shape[1]))
+    scores = torch.matmul(iq.float().transpose(1, 2), ikp.transpose(1, 2).unsqueeze(1))  # [R, H, T, nb*B]
+    blocks = scores.view(r, h, t, nb, block_size).amax(dim=-1)
+    own = q_pos // block_size  # [R, T]
+    cols = own[..., None] * block_size + torch.arange(block_size, device=iq.device)  # [R, T, B]
+    own_scores = scores.gather(-1, cols.unsqueeze(1).expand(r, h, t, block_size))
+    own_scores = own_scores.masked_fill((cols > q_pos[..., None]).unsqueeze(1), NEG_INF)
+    blocks.scatter_(-1, own[:, None, :, None].expand(r, h, t, 1), own_scores.amax(dim=-1, keepdim=True))
+    return blocks
 
 
-def select_blocks(scores: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int,
+def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int,
                   init_blocks: int, local_blocks: int) -> torch.Tensor:
     """Top-k key blocks per query and per index head, forced init/local blocks inside the budget.
 
-    scores [R, H, T, N] from `token_scores`; q_pos [R, T]. Returns [R, H, T, topk] int64 block ids,
-    left-packed, -1 in unused slots. Ties go to the lower block id (stable descending sort).
+    block [R, H, T, nb] from `block_scores` (only blocks up to the query's own are read); q_pos
+    [R, T]. Returns [R, H, T, topk] int64 block ids, left-packed, -1 in unused slots. Ties go to the
+    lower block id (stable descending sort).
     """
-    r, h, t, n = scores.shape
-    nb = -(-n // block_size)
-    pad = nb * block_size - n
-    if pad:
-        scores = torch.nn.functional.pad(scores, (0, pad), value=NEG_INF)
-    block = scores.view(r, h, t, nb, block_size).amax(dim=-1)  # [R, H, T, nb]
-
+    nb = block.shape[-1]
     visible = (q_pos // block_size + 1)[:, :, None]  # V_t, [R, T, 1]
-    b = torch.arange(nb, device=scores.device)[None, None, :]
+    b = torch.arange(nb, device=block.device)[None, None, :]
     forced = (b < torch.clamp(visible, max=init_blocks)) | (b >= visible - local_blocks)
     key = block.masked_fill(forced[:, None], float("inf")).masked_fill((b >= visible)[:, None], NEG_INF)
     order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :topk]
     if nb < topk:
         order = torch.nn.functional.pad(order, (0, topk - nb), value=-1)
     count = torch.clamp(visible, max=topk)  # |S| = min(K, V_t), [R, T, 1]
-    unused = torch.arange(topk, device=scores.device)[None, None, :] >= count
+    unused = torch.arange(topk, device=block.device)[None, None, :] >= count
     return order.masked_fill(unused[:, None], -1)

@@ -159,19 +159,18 @@ class MoE(nn.Module):
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Many tokens: one matmul per expert over the tokens routed to it."""
-        out = torch.zeros_like(x)
+        """Many tokens: one matmul pair per expert over the (token, slot) pairs routed to it."""
+        t, k = ids.shape
         flat = ids.reshape(-1)
-        order = torch.argsort(flat, stable=True)
+        order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
         counts = torch.bincount(flat, minlength=self.w13.shape[0]).tolist()
-        token_of = order // ids.shape[1]
-        weight_of = w.reshape(-1)[order].to(x.dtype)
-        start = 0
+        xs = x.index_select(0, order // k)
+        ys, start = [], 0
         for e, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start:start + n]
-            h = swiglu_oai(F.linear(x[tok], self.w13[e]), self.alpha, self.limit)
-            out.index_add_(0, tok, F.linear(h, self.w2[e]) * weight_of[start:start + n, None])
-            start += n
-        return out
+            if n:
+                h = swiglu_oai(F.linear(xs[start:start + n], self.w13[e]), self.alpha, self.limit)
+                ys.append(F.linear(h, self.w2[e]))
+                start += n
+        y = torch.cat(ys) * w.reshape(-1)[order].to(x.dtype)[:, None]
+        out = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
+        return out.view(t, k, -1).sum(dim=1)

@@ -7,7 +7,13 @@ import torch
 from orig_checkpoint import make_config, random_state_dict, write_checkpoint
 from test_parity_transformers import prompt_logits
 
-from engine.attention import dense_attention, gathered_sparse_attention, masked_sparse_attention
+from engine.attention import (
+    block_sparse_attention,
+    blocked_rows,
+    dense_attention,
+    gathered_sparse_attention,
+    masked_sparse_attention,
+)
 from engine.forward_batch import Segment
 from engine.indexer import select_blocks
 from engine.llm import LLM
@@ -76,7 +82,13 @@ def _random_segment(n: int, t: int, perm: torch.Tensor) -> Segment:
     return Segment(0, 1, t, perm[:n].view(1, -1), q_pos, n - 1)
 
 
-SPARSE_PATHS = [gathered_sparse_attention, masked_sparse_attention]
+def block_path(q, k_buf, v_buf, blocks, seg, block, scale):
+    """The one-row extend path: K/V copied once into block layout, whole blocks gathered."""
+    return block_sparse_attention(q, blocked_rows(k_buf, seg, block), blocked_rows(v_buf, seg, block), blocks,
+                                  seg, block, scale)
+
+
+SPARSE_PATHS = [gathered_sparse_attention, masked_sparse_attention, block_path]
 
 
 @pytest.mark.parametrize("sparse_attention", SPARSE_PATHS)
@@ -87,7 +99,7 @@ def test_sparse_with_topk_covering_every_block_equals_dense(sparse_attention, bl
     k_buf, v_buf = torch.randn(300, n_kv, d, generator=g), torch.randn(300, n_kv, d, generator=g)
     seg = _random_segment(n, t, torch.randperm(300, generator=g))  # slots scattered over the pool
     q = torch.randn(t, n_kv * group, d, generator=g)
-    scores = torch.randn(1, n_kv, t, n, generator=g)
+    scores = torch.randn(1, n_kv, t, -(-n // block), generator=g)  # block scores
     topk = -(-n // block)
     blocks = select_blocks(scores, seg.q_pos, block, topk, init_blocks=0, local_blocks=1)
     sparse = sparse_attention(q, k_buf, v_buf, blocks, seg, block, d ** -0.5)
@@ -107,7 +119,7 @@ def test_sparse_attention_equals_masked_dense_reference(sparse_attention):
     k_buf, v_buf = torch.randn(64, n_kv, d, generator=g), torch.randn(64, n_kv, d, generator=g)
     seg = _random_segment(n, t, torch.randperm(64, generator=g))
     q = torch.randn(t, n_kv * group, d, generator=g)
-    blocks = select_blocks(torch.randn(1, n_kv, t, n, generator=g), seg.q_pos, block, 3, 1, 1)
+    blocks = select_blocks(torch.randn(1, n_kv, t, -(-n // block), generator=g), seg.q_pos, block, 3, 1, 1)
     got = sparse_attention(q, k_buf, v_buf, blocks, seg, block, d ** -0.5).view(t, n_kv, group, d)
     k, v = k_buf[seg.slots[0]], v_buf[seg.slots[0]]
     for h in range(n_kv):

@@ -1,0 +1,45 @@
+"""The lightning indexer's block scores and block selection against their definitions (model.md §3)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.indexer import block_scores, select_blocks
+
+
+@pytest.mark.parametrize("n,t,block", [(37, 37, 4), (100, 9, 16), (64, 1, 8), (5, 5, 8)])
+def test_block_scores_equal_causal_token_max(n, t, block):
+    g = torch.Generator().manual_seed(n)
+    iq, ik = torch.randn(2, t, 3, 8, generator=g), torch.randn(2, n, 8, generator=g)
+    q_pos = torch.arange(n - t, n).expand(2, t)
+    got = block_scores(iq, ik, q_pos, block)
+    for r in range(2):
+        for h in range(3):
+            for ti in range(t):
+                p = int(q_pos[r, ti])
+                for b in range(p // block + 1):  # blocks up to the query's own
+                    keys = range(b * block, min((b + 1) * block, p + 1))
+                    want = max(float(iq[r, ti, h] @ ik[r, j]) for j in keys)
+                    assert abs(float(got[r, h, ti, b]) - want) < 1e-5
+
+
+def test_selection_rules():
+    g = torch.Generator().manual_seed(0)
+    block, topk, init, local = 4, 4, 1, 2
+    q_pos = torch.arange(0, 60).view(1, -1)
+    nb = 15
+    scores = torch.randn(1, 2, 60, nb, generator=g)
+    sel = select_blocks(scores, q_pos, block, topk, init, local)
+    for h in range(2):
+        for t in range(60):
+            visible = t // block + 1
+            chosen = [b for b in sel[0, h, t].tolist() if b >= 0]
+            assert len(chosen) == min(topk, visible) == len(set(chosen))
+            assert all(b < visible for b in chosen) and (visible - 1) in chosen
+            forced = {b for b in range(visible) if b < min(init, visible) or b >= visible - local}
+            assert forced <= set(chosen)
+            rest = sorted((b for b in range(visible) if b not in forced), key=lambda b: (-float(scores[0, h, t, b]), b))
+            assert set(chosen) == forced | set(rest[: len(chosen) - len(forced)])
+    tied = select_blocks(torch.zeros(1, 1, 1, 8), torch.tensor([[31]]), block, 3, 0, 1)
+    assert tied[0, 0, 0].tolist() == [7, 0, 1]  # equal scores: the lower block id wins
