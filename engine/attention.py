@@ -7,6 +7,8 @@ in ForwardBatch), so a cached prefix and freshly written tokens are read the sam
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -155,19 +157,24 @@ def attention_layer(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, fb:
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
     kind = cfg.layer_kinds[layer_id]
     scale = cfg.head_dim ** -0.5
-    out = q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
-    for seg in fb.segments:
-        qs = q[seg.start:seg.end]
+
+    def main(seg: Segment) -> torch.Tensor:
         # NOTE: while every query sees at most K blocks, the selection keeps all of them and the
         # layer is exactly dense causal attention (model.md §3.3), so the indexer need not run.
         if kind == "dense" or seg.max_pos // cfg.block_size < cfg.topk_blocks:
-            out[seg.start:seg.end] = dense_attention(qs, k_buf, v_buf, seg, scale)
-        else:
-            out[seg.start:seg.end] = sparse_segment(layer_id, q, iq, seg, pool, cfg, scale)
+            return dense_attention(q[seg.start:seg.end], k_buf, v_buf, seg, scale)
+        return sparse_segment(layer_id, q, iq, seg, pool, cfg, scale)
+
+    out = _over_segments(main, fb)
     if kind != "sparse_index_kv":
         return out, None
     ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
-    u = iq.new_empty(iq.shape[0], iq.shape[1] * iq.shape[2])
-    for seg in fb.segments:  # index-value branch: dense causal over the whole history (model.md §4)
-        u[seg.start:seg.end] = dense_attention(iq[seg.start:seg.end], ik_buf, iv_buf, seg, cfg.index_head_dim ** -0.5)
-    return out, u
+    index_scale = cfg.index_head_dim ** -0.5
+    # index-value branch: dense causal attention over the whole history (model.md §4)
+    return out, _over_segments(lambda seg: dense_attention(iq[seg.start:seg.end], ik_buf, iv_buf, seg, index_scale), fb)
+
+
+def _over_segments(fn: Callable[[Segment], torch.Tensor], fb: ForwardBatch) -> torch.Tensor:
+    """Concatenate fn(segment) over the batch's segments (they tile its tokens in order)."""
+    outs = [fn(seg) for seg in fb.segments]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)

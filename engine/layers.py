@@ -111,8 +111,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(hidden, inter))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu_oai(F.linear(x, self.gate_up_proj), self.alpha, self.limit), self.down_proj)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """MLP(x), plus `residual` when given (fused into the down projection)."""
+        act = swiglu_oai(F.linear(x, self.gate_up_proj), self.alpha, self.limit)
+        return F.linear(act, self.down_proj) if residual is None else torch.addmm(residual, act, self.down_proj.t())
 
 
 class MoE(nn.Module):
@@ -138,23 +140,25 @@ class MoE(nn.Module):
         w = scores.gather(1, ids)
         return ids, w / w.sum(dim=-1, keepdim=True)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """MoE(x), plus `residual` when given."""
         ids, w = self.route(x)
+        base = residual if residual is not None else torch.zeros_like(x)
+        if self.shared is not None:
+            base = self.shared(x, residual=base)
         if x.shape[0] * self.top_k <= self.w13.shape[0]:
-            out = self._per_token(x, ids, w)
-        else:
-            out = self._grouped(x, ids, w) * self.scale
-        return out + self.shared(x) if self.shared is not None else out
+            return self._per_token(x, ids, w, base)
+        return torch.add(base, self._grouped(x, ids, w), alpha=self.scale)
 
-    def _per_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """Few tokens (decode): each token runs its k experts on weight views, nothing gathered."""
+    def _per_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        """Few tokens (decode): each token runs its k experts on weight views, nothing gathered;
+        each expert's down projection accumulates into the token's row (scaled by gamma * weight)."""
         rows = []
         for t, (experts, weights) in enumerate(zip(ids.tolist(), w.tolist())):
-            acc = None
+            acc = base[t:t + 1]
             for e, wt in zip(experts, weights):
                 h = swiglu_oai(F.linear(x[t:t + 1], self.w13[e]), self.alpha, self.limit)
-                y = F.linear(h, self.w2[e]) * (wt * self.scale)
-                acc = y if acc is None else acc + y
+                acc = torch.addmm(acc, h, self.w2[e].t(), alpha=wt * self.scale)
             rows.append(acc)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -61,7 +61,9 @@ class Attention(nn.Module):
             out.extend(rope(h).split(heads, dim=1))
         return out
 
-    def forward(self, x: torch.Tensor, rope: Rotary, fb: ForwardBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rotary, fb: ForwardBatch, pool: MiniMaxSparseKVPool,
+                residual: torch.Tensor) -> torch.Tensor:
+        """residual + attention(x): the residual add is fused into the output projection."""
         c, t = self.cfg, x.shape[0]
         parts = F.linear(x, self.qkv_proj).split(self.splits, dim=-1)
         rotated = self._norm_rope(parts[0], rope)
@@ -76,7 +78,7 @@ class Attention(nn.Module):
             else:
                 pool.set_index_k_buffer(self.layer_id, fb.out_cache_loc, ik)
         o, u = attention_layer(self.layer_id, q, iq, fb, pool, c)
-        return F.linear(o if u is None else torch.cat([o, u], dim=-1), self.o_proj)
+        return torch.addmm(residual, o if u is None else torch.cat([o, u], dim=-1), self.o_proj.t())
 
 
 class DecoderLayer(nn.Module):
@@ -89,8 +91,8 @@ class DecoderLayer(nn.Module):
                                GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit))
 
     def forward(self, x: torch.Tensor, rope: Rotary, fb: ForwardBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rope, fb, pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        h = self.self_attn(self.input_layernorm(x), rope, fb, pool, residual=x)
+        return self.mlp(self.post_attention_layernorm(h), residual=h)
 
 
 class MiniMaxM3Model(nn.Module):
