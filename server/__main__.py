@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 import uvicorn
@@ -18,8 +19,28 @@ from server.state import ServerState
 logger = logging.getLogger("server")
 
 
+# TEST HOOK, off by default: with MINIMAX_TEST_FAULT_RID_PREFIX set, every request whose rid starts with
+# that prefix fails inside the engine (as if its step had raised) once it has generated
+# MINIMAX_TEST_FAULT_AFTER_TOKENS tokens (default 0). Only the reliability tests set it; never in production.
+FAULT_PREFIX_ENV = "MINIMAX_TEST_FAULT_RID_PREFIX"
+FAULT_AFTER_ENV = "MINIMAX_TEST_FAULT_AFTER_TOKENS"
+
+
+def _test_fault_hook(prefix: str, after: int):
+    def fault(req) -> None:
+        if req.rid.startswith(prefix) and len(req.output_ids) >= after:
+            raise RuntimeError(f"injected test fault for rid {req.rid}")
+    return fault
+
+
 def build_state(args: ServerArgs) -> ServerState:
     engine = Engine(args.engine_args())
+    prefix = os.environ.get(FAULT_PREFIX_ENV)
+    if prefix:
+        after = int(os.environ.get(FAULT_AFTER_ENV, "0"))
+        logger.warning("TEST HOOK ARMED: requests with a rid starting with %r fail after %d tokens (%s)",
+                       prefix, after, FAULT_PREFIX_ENV)
+        engine.fault_hook = _test_fault_hook(prefix, after)
     metrics = Metrics(args.model_name, engine) if args.enable_metrics else None
     async_engine = AsyncEngine(engine, observer=metrics.observe if metrics else None,
                                on_submit=metrics.on_submit if metrics else None)

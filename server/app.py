@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from server.async_engine import EngineDeadError
 from server.errors import ApiError, error_response
 from server.routes_native import router as native_router
+from server.routes_openai import document_request_bodies
 from server.routes_openai import router as openai_router
 from server.routes_pools import router as pools_router
 from server.state import ServerState
@@ -35,7 +36,14 @@ def _validation_message(exc: RequestValidationError) -> str:
 
 
 class BodyLimit:
-    """Refuse bodies over `limit` bytes with 413 before anything parses them (Content-Length or streamed)."""
+    """Refuse bodies over `limit` bytes with 413 before anything parses them.
+
+    A declared Content-Length over the limit is refused before the body is read. Otherwise the body
+    (chunked or not) is read here, counting bytes, and refused as soon as it passes the limit; the
+    app then gets it in one message, and later `receive` calls (the disconnect) go to the client.
+    Reading here, not inside the app, is what makes a chunked body a 413 on every route: FastAPI
+    turns any error raised while it reads a body into a generic 400.
+    """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit
@@ -47,21 +55,32 @@ class BodyLimit:
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(path, send)
-        seen = 0
-
-        async def limited() -> Message:
-            nonlocal seen
+        chunks, seen = [], 0
+        while True:
             msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.limit:
-                    raise ApiError(413, f"request body exceeds {self.limit} bytes (--max-request-bytes)")
-            return msg
+            if msg["type"] != "http.request":  # the client left before sending its whole body
+                return
+            body = msg.get("body", b"")
+            seen += len(body)
+            if seen > self.limit:
+                return await self._refuse(path, send)
+            chunks.append(body)
+            if not msg.get("more_body", False):
+                break
+        first: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
 
-        await self.app(scope, limited, send)
+        async def replay() -> Message:
+            nonlocal first
+            if first is not None:
+                msg, first = first, None
+                return msg
+            return await receive()
+
+        await self.app(scope, replay, send)
 
     async def _refuse(self, path: str, send: Send) -> None:
-        resp = error_response(path, 413, f"request body exceeds {self.limit} bytes (--max-request-bytes)")
+        resp = error_response(path, 413, f"request body exceeds {self.limit} bytes (--max-request-bytes)",
+                              headers={"Connection": "close"})
         await resp({"type": "http"}, None, send)  # type: ignore[arg-type]
 
 
@@ -131,10 +150,20 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(native_router)
     app.include_router(openai_router)
     app.include_router(pools_router)
-    if state.args.api_key:  # NOTE: added before CORS so CORS preflights are answered without the key
+    generated_openapi = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document_request_bodies(generated_openapi())
+        return app.openapi_schema  # type: ignore[return-value]
+
+    app.openapi = openapi  # type: ignore[method-assign]
+    # NOTE: the last added runs first: CORS (preflights answered without the key), then the API key
+    # (no body is read for a client without it), then the body limit.
+    app.add_middleware(BodyLimit, limit=state.args.max_request_bytes)
+    if state.args.api_key:
         app.add_middleware(ApiKeyAuth, key=state.args.api_key)
     if state.args.cors_origins:
         app.add_middleware(CORSMiddleware, allow_origins=state.args.cors_origins, allow_methods=["*"],
                            allow_headers=["*"])
-    app.add_middleware(BodyLimit, limit=state.args.max_request_bytes)
     return app

@@ -36,7 +36,7 @@ class ServerArgs:
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are named
     max_request_bytes: int = 1 << 20  # request bodies above this are refused before parsing (413)
     max_batch_size: int = 256  # prompts (x n) in one /generate or /v1 request
-    max_new_tokens_cap: int | None = None  # upper bound on any request's max_new_tokens
+    max_new_tokens_cap: int | None = None  # upper bound on any request's max_new_tokens (None: the context length)
 
     def engine_args(self) -> EngineArgs:
         names = {f.name for f in fields(EngineArgs)}

@@ -1,16 +1,19 @@
 """The bridge between the asyncio event loop and the engine thread.
 
 `submit` validates on the caller's thread (so bad input is a 400 before any stream starts) and
-returns one asyncio queue per sample; the engine thread runs `Engine.step()` and hands each output
-to its queue with `call_soon_threadsafe`. A consumer that goes away (client disconnect) aborts.
+opens one `Outbox` per sample; the engine thread runs `Engine.step()` and hands each output to its
+outbox with `call_soon_threadsafe`. An outbox holds at most MAX_BACKLOG unread outputs (a consumer
+that stops reading costs bounded memory). A consumer that goes away (client disconnect) aborts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 
 from engine.engine import Engine
@@ -23,8 +26,45 @@ Observer = Callable[[RequestOutput, float], None]
 SubmitHook = Callable[[list[str], float], None]
 
 
+# Outputs of one request that may wait for a slow consumer before they are merged. Outputs carry
+# cumulative output_ids/text/logprobs, so merging two keeps everything a consumer needs; without the
+# bound a client that stops reading a stream makes the server hold one cumulative copy per step.
+MAX_BACKLOG = 64
+
+
 class EngineDeadError(RuntimeError):
     """The engine thread has stopped; no request can be served."""
+
+
+class Outbox:
+    """The outputs of one request not yet read by its consumer: at most `limit` of them.
+
+    Past the limit the newest unfinished output replaces the last queued one (its `new_ids` are
+    carried over), so a consumer that stops reading costs O(limit) outputs, not one per step.
+    """
+
+    def __init__(self, limit: int = MAX_BACKLOG) -> None:
+        self.limit = limit
+        self._items: deque[RequestOutput] = deque()
+        self._ready = asyncio.Event()
+        self.merged = 0  # outputs folded into a later one (observability)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def put_nowait(self, out: RequestOutput) -> None:
+        if len(self._items) >= self.limit and not self._items[-1].finished:
+            prev = self._items.pop()
+            out = dataclasses.replace(out, new_ids=prev.new_ids + out.new_ids)
+            self.merged += 1
+        self._items.append(out)
+        self._ready.set()
+
+    async def get(self) -> RequestOutput:
+        while not self._items:
+            self._ready.clear()
+            await self._ready.wait()
+        return self._items.popleft()
 
 
 class AsyncEngine:
@@ -33,7 +73,7 @@ class AsyncEngine:
         self.observer = observer  # sees every output on the event loop (metrics)
         self.on_submit = on_submit  # sees every accepted request's rids and arrival time (metrics)
         self.accepting = True
-        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._queues: dict[str, Outbox] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -58,6 +98,10 @@ class AsyncEngine:
 
     def num_in_flight(self) -> int:
         return len(self._queues)
+
+    def num_pending_outputs(self) -> int:
+        """Outputs produced but not yet read by their consumers (bounded by MAX_BACKLOG each)."""
+        return sum(len(q) for q in self._queues.values())
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -97,7 +141,7 @@ class AsyncEngine:
             raise ValueError(f"rid {rid!r} is already in use by a running request.")
         rids = self.engine.add_request(prompt_ids, params, logprob, rid)
         for r in rids:
-            self._queues[r] = asyncio.Queue()
+            self._queues[r] = Outbox()
         if self.on_submit is not None:
             self.on_submit(rids, time.monotonic())
         self._wake.set()
@@ -114,7 +158,7 @@ class AsyncEngine:
             raise KeyError(rid)
         return self._iterate(rid, q)
 
-    async def _iterate(self, rid: str, q: asyncio.Queue[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    async def _iterate(self, rid: str, q: Outbox) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:

@@ -120,7 +120,12 @@ def _check_params(raw: dict[str, Any], params: SamplingParams, engine: Engine, a
         raise ValueError("stop strings need a tokenizer, but this server runs with --skip-tokenizer-init: "
                          "use stop_token_ids.")
     cap = args.max_new_tokens_cap
-    if cap is not None:
+    if cap is None:  # default limit: the context length (null stays "until EOS or the context")
+        m, ctx = params.max_new_tokens, engine.context_len
+        if m is not None and m > ctx:
+            raise ValueError(f"max_new_tokens {m} exceeds this server's limit of {ctx} (the context length; "
+                             "--max-new-tokens-cap sets another).")
+    else:
         if "max_new_tokens" not in raw:
             return params.derive(max_new_tokens=min(params.max_new_tokens or cap, cap))
         m = params.max_new_tokens

@@ -134,14 +134,16 @@ class GenerationRun:
     # ---- stream ------------------------------------------------------------------------------------
     async def events(self) -> AsyncIterator[str]:
         """SSE frames of all sequences, interleaved as they come, then `data: [DONE]`."""
-        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue()
+        # NOTE: bounded, so a client that stops reading stalls the pumps and the backlog stays in
+        # AsyncEngine's per-request Outbox, which merges cumulative outputs past its limit.
+        merged: asyncio.Queue[tuple[int, RequestOutput | BaseException]] = asyncio.Queue(maxsize=8)
 
         async def pump(idx: int, it: AsyncIterator[RequestOutput]) -> None:
             try:
                 async for out in it:
-                    merged.put_nowait((idx, out))
+                    await merged.put((idx, out))
             except Exception as e:  # surfaced to the client as an error frame
-                merged.put_nowait((idx, e))
+                await merged.put((idx, e))
 
         tasks = [asyncio.ensure_future(pump(i, it)) for i, it in enumerate(self.iters)]
         multi = not self.plan.single
@@ -166,6 +168,10 @@ class GenerationRun:
                     if multi:
                         frame["index"] = idx
                     yield sse(frame)
+                    # NOTE: a real suspension per frame. Once the client is gone uvicorn's send returns at
+                    # once and a backlog is read without suspending, so without it the disconnect (a
+                    # cancellation) would wait until the whole backlog had been shaped and serialized.
+                    await asyncio.sleep(0)
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:

@@ -102,15 +102,16 @@ def error_event(status: int, message: str) -> str:
 
 async def merge_streams(job: Job) -> AsyncIterator[tuple[int, RequestOutput]]:
     """(choice index, output) from all samples as they arrive; closing it aborts the unfinished ones."""
-    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    # NOTE: bounded, so a reader that stops leaves the backlog in AsyncEngine's merging Outbox.
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue(maxsize=8)
 
     async def pump(i: int, outputs: AsyncIterator[RequestOutput]) -> None:
         try:
             async for out in outputs:
-                queue.put_nowait((i, out))
-            queue.put_nowait((i, None))
+                await queue.put((i, out))
+            await queue.put((i, None))
         except Exception as e:  # noqa: BLE001 - handed to the consumer
-            queue.put_nowait((i, e))
+            await queue.put((i, e))
 
     tasks = [asyncio.create_task(pump(i, it)) for i, it in enumerate(job.streams)]
     try:
@@ -148,6 +149,7 @@ async def _guarded(frames: AsyncGenerator[str, None]) -> AsyncGenerator[str, Non
     try:
         async for frame in frames:
             yield frame
+            await asyncio.sleep(0)  # a suspension per frame: a client's disconnect is seen mid-backlog
     except ApiError as e:
         yield error_event(e.status, e.message)
     except ValueError as e:

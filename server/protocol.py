@@ -39,6 +39,19 @@ def _scalar_or_list(name: str, v: Any, ok: Any, what: str) -> Any:
     raise ValueError(f"{name} must be {what} or a list of them, got {_kind(v)}")
 
 
+def _valid_unicode(name: str, v: Any) -> Any:
+    """Refuse strings with lone surrogates (JSON `"\\ud800"`): they are not text and cannot be tokenized."""
+    for i, s in enumerate([v] if isinstance(v, str) else v if isinstance(v, list) else []):
+        if isinstance(s, str) and not s.isascii():
+            try:
+                s.encode("utf-8")
+            except UnicodeEncodeError as e:
+                where = f"{name}[{i}]" if isinstance(v, list) else name
+                raise ValueError(f"{where} is not valid Unicode: lone surrogate {s[e.start]!r} at position "
+                                 f"{e.start}") from None
+    return v
+
+
 def _ids_or_batch(name: str, v: Any) -> Any:
     """A list of token ids, or a list of such lists."""
     if v is None:
@@ -69,7 +82,7 @@ class GenerateReqInput(BaseModel):
     @field_validator("text", mode="before")
     @classmethod
     def _text(cls, v: Any) -> Any:
-        return _scalar_or_list("text", v, lambda x: isinstance(x, str), "a string")
+        return _valid_unicode("text", _scalar_or_list("text", v, lambda x: isinstance(x, str), "a string"))
 
     @field_validator("input_ids", "token_ids_logprob", mode="before")
     @classmethod
@@ -84,7 +97,7 @@ class GenerateReqInput(BaseModel):
     @field_validator("rid", mode="before")
     @classmethod
     def _rid(cls, v: Any) -> Any:
-        return _scalar_or_list("rid", v, lambda x: isinstance(x, str), "a string")
+        return _valid_unicode("rid", _scalar_or_list("rid", v, lambda x: isinstance(x, str), "a string"))
 
     @field_validator("stream", "return_text_in_logprobs", mode="before")
     @classmethod
@@ -124,7 +137,7 @@ class TokenizeReq(BaseModel):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        return _scalar_or_list("prompt", v, lambda x: isinstance(x, str), "a string")
+        return _valid_unicode("prompt", _scalar_or_list("prompt", v, lambda x: isinstance(x, str), "a string"))
 
 
 class DetokenizeReq(BaseModel):

@@ -73,7 +73,7 @@ async def get_model_info(request: Request) -> dict[str, Any]:
     return _model_info(_state(request))
 
 
-def _server_info(state: ServerState) -> dict[str, Any]:
+def _server_info(state: ServerState, integrity_ok: bool | None = None) -> dict[str, Any]:
     eng, args = state.engine, state.args
     alloc, sched = eng.runner.allocator, eng.scheduler
     used = alloc.used_size()
@@ -82,6 +82,8 @@ def _server_info(state: ServerState) -> dict[str, Any]:
         info["api_key"] = "<redacted>"
     status = "ready" if state.ready else ("starting" if state.async_engine.accepting else "shutting_down")
     metrics = state.metrics
+    # the limits in force: --max-new-tokens-cap defaults to the context length
+    info["max_new_tokens_cap"] = args.max_new_tokens_cap if args.max_new_tokens_cap is not None else eng.context_len
     info.update({
         "served_model_name": args.model_name,
         "context_len": eng.context_len,
@@ -95,6 +97,10 @@ def _server_info(state: ServerState) -> dict[str, Any]:
             "num_used_tokens": used,
             "token_usage": used / alloc.size,
             "memory_usage": {"kv_cache_bytes": eng.runner.pool.total_bytes()},
+            "num_in_flight": state.async_engine.num_in_flight(),
+            "num_pending_outputs": state.async_engine.num_pending_outputs(),
+            # KV slots: free + owned by requests + held by the prefix cache == pool size, none twice
+            "integrity_ok": integrity_ok,
         }],
         "uptime_s": round(time.time() - state.started, 3),
         "version": __version__,
@@ -102,15 +108,22 @@ def _server_info(state: ServerState) -> dict[str, Any]:
     return info
 
 
+async def _checked_server_info(state: ServerState) -> dict[str, Any]:
+    # NOTE: the integrity check takes the engine's step lock (it must not see a step half done): run it
+    # off the event loop so streams keep flowing while it waits.
+    ok = await asyncio.to_thread(state.engine.integrity_ok)
+    return _server_info(state, ok)
+
+
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
-    return _server_info(_state(request))
+    return await _checked_server_info(_state(request))
 
 
 @router.get("/get_server_info", deprecated=True)
 async def get_server_info(request: Request) -> dict[str, Any]:
     logger.warning("/get_server_info is deprecated; use /server_info")
-    return _server_info(_state(request))
+    return await _checked_server_info(_state(request))
 
 
 def _tokenizer(state: ServerState) -> Any:

@@ -158,6 +158,34 @@ async def _collect(request: Request, job: Job) -> list[RequestOutput]:
         job.abort_unfinished()  # also covers a reader cancelled before it started
 
 
+def document_request_bodies(schema: dict[str, Any]) -> None:
+    """Add the JSON request bodies of the two generation routes to an OpenAPI document.
+
+    Both routes parse their body themselves (Content-Type check, OpenAI error envelope), so FastAPI
+    cannot see the models; without this, clients and schema-driven tests see no body at all.
+    """
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        op = schema.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in body.pop("$defs", {}).items():
+            components.setdefault(name, sub)
+        components[model.__name__] = body
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    # validation errors are 400 in this server's envelopes (app.py), never FastAPI's 422
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            responses["400"] = {"description": "Bad request: " + (
+                "the OpenAI error object" if path.startswith("/v1/") else '{"error": {"message": ...}}')}
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+
+
 # ---- /v1/completions ---------------------------------------------------------------------------------
 def _completion_prompts(tok: Tokenizer, prompt: str | list[str] | list[int] | list[list[int]]
                         ) -> tuple[list[list[int]], list[str | list[int]]]:
