@@ -24,10 +24,35 @@ def gather_rows(buf: torch.Tensor, seg: Segment) -> torch.Tensor:
     return rows.view(seg.rows, seg.num_keys, buf.shape[1], buf.shape[2]).transpose(1, 2)
 
 
+def gather_head_major(buf: torch.Tensor, seg: Segment) -> torch.Tensor:
+    """The segment's cached rows of one buffer [slots, heads, dim] as contiguous [R, heads, N, dim]."""
+    heads, d = buf.shape[1], buf.shape[2]
+    rows = buf.view(-1, d).index_select(0, seg.head_major_index(heads))
+    return rows.view(seg.rows, heads, seg.num_keys, d)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg: Segment, scale: float,
+                     keep: torch.Tensor | None) -> torch.Tensor:
+    """One query per row (decode): q [R, n_q, D] over each row's cached keys, GQA-grouped.
+
+    Both matmuls batch over (row, KV head) on head-major gathers, without copies; `keep`
+    [R, n_kv or 1, 1, N] masks keys out (padding, unselected blocks), None keeps all.
+    """
+    k, v = gather_head_major(k_buf, seg), gather_head_major(v_buf, seg)  # [R, n_kv, N, D]
+    qh = q.view(seg.rows, k.shape[1], -1, k.shape[-1])  # [R, n_kv, G, D]
+    s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [R, n_kv, G, N]
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1).to(v.dtype), v)  # [R, n_kv, G, D]
+    return o.reshape(seg.rows, -1)
+
+
 def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg: Segment,
                     scale: float) -> torch.Tensor:
     """Causal attention of q [R*T, n_q, D] over the segment's cached K/V [slots, n_kv, D] (GQA)."""
     r, t = seg.rows, seg.queries
+    if t == 1:
+        return decode_attention(q, k_buf, v_buf, seg, scale, seg.decode_keep)
     k, v = gather_rows(k_buf, seg), gather_rows(v_buf, seg)  # [R, n_kv, N, D]
     qh = q.view(r, t, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, n_q, T, D]
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=seg.attn_mask, is_causal=seg.is_causal, scale=scale,
@@ -53,6 +78,8 @@ def masked_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     keep.scatter_(-1, torch.where(blocks < 0, nb, blocks), True)  # unused slots land in a spare column
     keep = keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :n]
     keep &= torch.arange(n, device=blocks.device)[None, None, None, :] <= seg.q_pos[:, None, :, None]
+    if t == 1:
+        return decode_attention(q, k_buf, v_buf, seg, scale, keep)  # [R, n_kv, 1, N] covers each group
     k, v = gather_rows(k_buf, seg), gather_rows(v_buf, seg)  # [R, n_kv, N, D]
     qh = q.view(r, t, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, n_q, T, D]
     mask = keep.repeat_interleave(q.shape[1] // n_kv, dim=1)  # one selection per KV head -> its query heads

@@ -52,6 +52,23 @@ class Segment:
                         self.q_pos[:, a:a + max_queries], last + min(self.queries, a + max_queries) - 1)
                 for a in range(0, self.queries, max_queries)]
 
+    def head_major_index(self, heads: int) -> torch.Tensor:
+        """Row index into a buffer viewed as [slots * heads, dim] that gathers the segment's keys as
+        [R, heads, N, dim] (contiguous, head-major): slot * heads + head. Built once per step."""
+        cache = self.__dict__.setdefault("_head_major", {})
+        if heads not in cache:
+            h = torch.arange(heads, device=self.slots.device).view(1, heads, 1)
+            cache[heads] = (self.slots[:, None, : self.num_keys] * heads + h).reshape(-1)
+        return cache[heads]
+
+    @cached_property
+    def decode_keep(self) -> torch.Tensor | None:
+        """[R, 1, 1, N] bool for one-query rows of different lengths (padding off); None for one row."""
+        if self.rows == 1:
+            return None
+        j = torch.arange(self.num_keys, device=self.q_pos.device)
+        return (j[None, :] <= self.q_pos).view(self.rows, 1, 1, self.num_keys)
+
     @cached_property
     def is_causal(self) -> bool:
         """True when the plain top-left causal mask is exact (one row whose queries start at 0)."""
@@ -64,6 +81,23 @@ class Segment:
             return None
         j = torch.arange(self.num_keys, device=self.q_pos.device)
         return (j[None, None, :] <= self.q_pos[:, :, None]).unsqueeze(1)
+
+
+def decode_buckets(seq_lens: list[int], slack: float = 1.25, min_rows: int = 8) -> list[tuple[int, int, int]]:
+    """Split decode rows into consecutive groups of similar length: (first row, end row, max length).
+
+    Each group pads its keys to its own longest row, so rows sorted by length (the scheduler sorts
+    them) waste little on padding; unsorted rows are still correct, just padded more.
+    """
+    out, a = [], 0
+    while a < len(seq_lens):
+        b, top = a, seq_lens[a]
+        while b < len(seq_lens) and (b - a < min_rows or seq_lens[b] <= slack * seq_lens[a]):
+            top = max(top, seq_lens[b])
+            b += 1
+        out.append((a, b, top))
+        a = b
+    return out
 
 
 @dataclass
@@ -108,10 +142,9 @@ class ForwardBatch:
         dev = self.input_ids.device
         rows = torch.tensor(self.req_pool_indices, dtype=torch.int64, device=dev)
         if self.is_decode:
-            n_max = max(self.seq_lens)
-            slots = self.req_to_token[rows, :n_max].to(torch.int64)
-            q_pos = self.positions.view(-1, 1)
-            return [Segment(0, len(rows), 1, slots, q_pos, n_max - 1)]
+            return [Segment(a, b - a, 1, self.req_to_token[rows[a:b], : n_max].to(torch.int64),
+                            self.positions[a:b].view(-1, 1), n_max - 1)
+                    for a, b, n_max in decode_buckets(self.seq_lens)]
         segments, start = [], 0
         for r, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
             chunk = max(64, MAX_SCORE_ELEMS // (p + e))

@@ -6,7 +6,6 @@ Prefill, chunked prefill and decode all call `select_blocks`, so every path sele
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
@@ -19,16 +18,19 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_
     are wholly visible); it is recomputed causally. Blocks after it keep unmasked values, which
     `select_blocks` never reads (they are not visible).
     """
-    r, t, h, _ = iq.shape
-    nb = -(-ik.shape[1] // block_size)
-    # NOTE: padding keys are zero rows; they sit past every query (j >= N > p_t), so only the
-    # own-block recomputation below could see them, and it masks them.
-    ikp = F.pad(ik.float(), (0, 0, 0, nb * block_size - ik.shape[1]))
-    scores = torch.matmul(iq.float().transpose(1, 2), ikp.transpose(1, 2).unsqueeze(1))  # [R, H, T, nb*B]
-    blocks = scores.view(r, h, t, nb, block_size).amax(dim=-1)
-    own = q_pos // block_size  # [R, T]
-    cols = own[..., None] * block_size + torch.arange(block_size, device=iq.device)  # [R, T, B]
-    own_scores = scores.gather(-1, cols.unsqueeze(1).expand(r, h, t, block_size))
+    r, t, h, d = iq.shape
+    n, b = ik.shape[1], block_size
+    # one batched matmul per row; heads x queries share it, so no key tensor is expanded or copied
+    scores = torch.matmul(iq.float().reshape(r, t * h, d), ik.float().transpose(1, 2))  # [R, T*H, N]
+    scores = scores.view(r, t, h, n).transpose(1, 2)  # [R, H, T, N]
+    full = n // b
+    parts = [scores[..., : full * b].unflatten(-1, (full, b)).amax(dim=-1)] if full else []
+    if n > full * b:  # the last, partial block
+        parts.append(scores[..., full * b:].amax(dim=-1, keepdim=True))
+    blocks = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]
+    own = q_pos // b  # [R, T]
+    cols = own[..., None] * b + torch.arange(b, device=iq.device)  # [R, T, B]
+    own_scores = scores.gather(-1, cols.clamp(max=n - 1).unsqueeze(1).expand(r, h, t, b))
     own_scores = own_scores.masked_fill((cols > q_pos[..., None]).unsqueeze(1), NEG_INF)
     blocks.scatter_(-1, own[:, None, :, None].expand(r, h, t, 1), own_scores.amax(dim=-1, keepdim=True))
     return blocks

@@ -129,7 +129,9 @@ class Scheduler:
             self.retract(max(self.running, key=lambda r: r.created))  # newest first
         if not self.running:
             return None
-        return self._build([(r, 1) for r in self.running], is_prefill=False)
+        # NOTE: rows sorted by length let attention pad each length bucket only to its own longest row
+        ordered = sorted(self.running, key=lambda r: r.num_computed)
+        return self._build([(r, 1) for r in ordered], is_prefill=False)
 
     def _build(self, chosen: list[tuple[Req, int]], is_prefill: bool) -> ScheduledBatch:
         slots = self.allocator.alloc(sum(n for _, n in chosen))
