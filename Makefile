@@ -8,7 +8,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 30000
 MODEL  ?= configs/tiny
 
-.PHONY: venv test lint serve clean
+.PHONY: venv test lint serve bench bench-quick soak clean
 
 venv: $(STAMP)
 
@@ -27,6 +27,20 @@ lint: $(STAMP)
 
 serve: $(STAMP)
 	$(PY) -m server --model-path $(MODEL) --host $(HOST) --port $(PORT)
+
+# Benchmarks (docs/benchmarks/): the full suite (~25 min on 2 cores), or a ~2-minute smoke run that
+# writes docs/benchmarks/quick/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS="--only decode".
+bench: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m bench.run $(BENCH_ARGS)
+
+bench-quick: $(STAMP)
+	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m bench.run --quick $(BENCH_ARGS)
+
+# 10 minutes of mixed load against a live server; fails on any error or >= 10% RSS growth (not in CI)
+soak: $(STAMP)
+	$(PY) scripts/soak.py --duration 600
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

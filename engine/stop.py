@@ -19,6 +19,7 @@ class StopChecker:
     def __init__(self, params: SamplingParams, eos_ids: set[int], tokenizer: Tokenizer | None,
                  prompt_ids: list[int], max_total_len: int) -> None:
         self.params = params
+        self.suppress_ids = set(eos_ids)  # min_new_tokens holds EOS back even under ignore_eos
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
         self.stop_ids = set(params.stop_token_ids or ())
         self.stops = list(params.stop or ())
@@ -30,7 +31,7 @@ class StopChecker:
 
     def suppressed(self, n_out: int) -> set[int] | None:
         """Ids to forbid while fewer than min_new_tokens have been generated."""
-        return (self.eos_ids | self.stop_ids) if n_out < self.params.min_new_tokens else None
+        return (self.suppress_ids | self.stop_ids) if n_out < self.params.min_new_tokens else None
 
     def on_token(self, token: int, n_out: int, n_total: int) -> dict[str, Any] | None:
         """Account for the n_out-th output token; return a finish reason if the request is done."""

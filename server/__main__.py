@@ -6,6 +6,7 @@ import logging
 import os
 import sys
 
+import torch
 import uvicorn
 
 from engine.engine import Engine
@@ -50,6 +51,8 @@ def build_state(args: ServerArgs) -> ServerState:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.num_threads > 0:  # a process-wide setting: the engine thread's matmuls use it
+        torch.set_num_threads(args.num_threads)
     try:
         state = build_state(args)
     except (ValueError, OSError) as e:  # bad flags, missing files, no tokenizer: say so, exit non-zero

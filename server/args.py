@@ -27,6 +27,7 @@ class ServerArgs:
     page_size: int = 1
     disable_radix_cache: bool = False
     random_seed: int = 0
+    num_threads: int = 0  # torch intra-op threads for this process; 0 keeps torch's default
     served_model_name: str | None = None
     enable_metrics: bool = False
     api_key: str | None = None

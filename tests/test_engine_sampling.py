@@ -73,6 +73,8 @@ def test_eos_and_min_new_tokens(engine):
     assert out.output_ids == [eos] and out.finish_reason == {"type": "stop", "matched": eos} and out.text == ""
     held = solo(engine, PROMPT, **(bias | {"min_new_tokens": 5}))
     assert len(held.output_ids) == 6 and held.output_ids[-1] == eos and eos not in held.output_ids[:5]
+    ignoring = solo(engine, PROMPT, **(bias | {"min_new_tokens": 5, "ignore_eos": True, "max_new_tokens": 8}))
+    assert eos not in ignoring.output_ids[:5] and ignoring.output_ids[5:] == [eos] * 3  # held back, then not stopping
     stop_id = solo(engine, PROMPT, **GREEDY).output_ids[3]
     by_id = solo(engine, PROMPT, **(GREEDY | {"stop_token_ids": [stop_id]}))
     assert by_id.output_ids[-1] == stop_id and by_id.finish_reason == {"type": "stop", "matched": stop_id}
