@@ -20,13 +20,19 @@ from mem_cache import MiniMaxSparseKVPool
 
 def gather_rows(buf: torch.Tensor, seg: Segment) -> torch.Tensor:
     """The segment's cached rows of one buffer [slots, heads, dim] -> [R, heads, N, dim]."""
-    rows = buf.index_select(0, seg.flat_slots)
+    if seg.contiguous_start is not None:  # consecutive slots: a view, no copy
+        rows = buf[seg.contiguous_start:seg.contiguous_start + seg.num_keys]
+    else:
+        rows = buf.index_select(0, seg.flat_slots)
     return rows.view(seg.rows, seg.num_keys, buf.shape[1], buf.shape[2]).transpose(1, 2)
 
 
 def gather_head_major(buf: torch.Tensor, seg: Segment) -> torch.Tensor:
-    """The segment's cached rows of one buffer [slots, heads, dim] as contiguous [R, heads, N, dim]."""
+    """The segment's cached rows of one buffer [slots, heads, dim] as [R, heads, N, dim] (contiguous,
+    or a strided view of the buffer when the row's slots are consecutive)."""
     heads, d = buf.shape[1], buf.shape[2]
+    if seg.contiguous_start is not None:  # consecutive slots: a strided view, no gather
+        return gather_rows(buf, seg)
     rows = buf.view(-1, d).index_select(0, seg.head_major_index(heads))
     return rows.view(seg.rows, heads, seg.num_keys, d)
 
@@ -64,6 +70,7 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, s
 # selection as a mask beats gathering K*B keys per query (measured on CPU: ~3-7x faster at N <= 2k,
 # slower from N ~ 4k on). Both paths compute exactly model.md §3.4.
 MASKED_SPARSE_MAX_FACTOR = 12
+DECODE_MASKED_SPARSE_MAX_FACTOR = 2  # one query per row: gathering its K*B keys wins much earlier
 # Queries handled at once by the indexer and the sparse paths of a long extend (keeps their
 # [queries, keys] scores and gathered K/V cache-sized).
 SPARSE_QUERY_CHUNK = 256
@@ -159,7 +166,8 @@ def sparse_segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor, seg: Segmen
     b, budget = cfg.block_size, cfg.topk_blocks * cfg.block_size
     if seg.rows > 1 or seg.queries == 1:  # decode: gather just the selected keys of each row
         blocks = select_for_segment(iq[seg.start:seg.end], ik_buf, seg, cfg)
-        attend = masked_sparse_attention if seg.num_keys <= MASKED_SPARSE_MAX_FACTOR * budget else gathered_sparse_attention
+        masked = seg.num_keys <= DECODE_MASKED_SPARSE_MAX_FACTOR * budget
+        attend = masked_sparse_attention if masked else gathered_sparse_attention
         return attend(q[seg.start:seg.end], k_buf, v_buf, blocks, seg, b, scale)
     outs = []
     k_rows = v_rows = None

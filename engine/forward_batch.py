@@ -7,9 +7,6 @@ from functools import cached_property
 
 import torch
 
-# NOTE: a query chunk of an extend segment scores at most this many (query, key) pairs per index head;
-# long prompts are split into several chunks so the score matrix stays bounded (64 MiB in fp32).
-MAX_SCORE_ELEMS = 1 << 24
 
 
 @dataclass(frozen=True)
@@ -36,6 +33,17 @@ class Segment:
     def num_keys(self) -> int:
         """Key positions any query of the segment can see: 0..max_pos."""
         return self.max_pos + 1
+
+    @cached_property
+    def contiguous_start(self) -> int | None:
+        """The first slot when the segment is one row whose keys sit in consecutive slots (then
+        buffers are read as views, with no gather); else None."""
+        if self.rows != 1:
+            return None
+        row = self.slots[0, : self.num_keys]
+        if self.num_keys > 1 and not bool(((row[1:] - row[:-1]) == 1).all()):
+            return None
+        return int(row[0])
 
     @cached_property
     def flat_slots(self) -> torch.Tensor:
@@ -145,13 +153,11 @@ class ForwardBatch:
             return [Segment(a, b - a, 1, self.req_to_token[rows[a:b], : n_max].to(torch.int64),
                             self.positions[a:b].view(-1, 1), n_max - 1)
                     for a, b, n_max in decode_buckets(self.seq_lens)]
+        # NOTE: one segment per extending request: dense attention runs over it in one (causal) call;
+        # the indexer and the sparse paths split it into bounded query chunks themselves.
         segments, start = [], 0
         for r, (p, e) in enumerate(zip(self.prefix_lens, self.extend_lens)):
-            chunk = max(64, MAX_SCORE_ELEMS // (p + e))
-            for a in range(0, e, chunk):
-                b = min(e, a + chunk)
-                slots = self.req_to_token[rows[r], : p + b].to(torch.int64).view(1, -1)
-                q_pos = self.positions[start + a : start + b].view(1, -1)
-                segments.append(Segment(start + a, 1, b - a, slots, q_pos, p + b - 1))
+            slots = self.req_to_token[rows[r], : p + e].to(torch.int64).view(1, -1)
+            segments.append(Segment(start, 1, e, slots, self.positions[start:start + e].view(1, -1), p + e - 1))
             start += e
         return segments
