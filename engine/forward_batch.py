@@ -8,7 +8,6 @@ from functools import cached_property
 import torch
 
 
-
 @dataclass(frozen=True)
 class Segment:
     """R rows of T queries each, over token range [start, start + R*T) of the batch (row-major).
