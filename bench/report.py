@@ -140,12 +140,11 @@ def _code(code: dict | None) -> str:
 
 NOTES = (
     "Threads: every process (this one, the server, the transformers workers) runs with the same torch/OpenMP "
-    "thread count (`--threads`, default 1). On a shared 2-core machine a 2-thread OpenMP region waits for a busy "
-    "core: small ops then take 15-60 ms instead of microseconds, which measures the scheduler, not the code.",
+    "thread count (`--threads`; 0 = torch's default, every core). On a shared machine use `--threads 1`: a "
+    "2-thread OpenMP region waits for a busy core, and small ops then take 15-60 ms instead of microseconds.",
     "Interleaving: decode runs alternate ours / transformers, so load from other processes hits both alike.",
     "Greedy identity: ours runs with min_new_tokens = max_new_tokens (EOS suppressed), like transformers' "
-    "`generate(min_new_tokens=...)`; throughput and server requests use ignore_eos. Our engine does not suppress "
-    "EOS under ignore_eos, so with ignore_eos an EOS argmax would differ from transformers.",
+    "`generate(min_new_tokens=...)`; throughput and server requests use ignore_eos.",
     "Roofline: weights a decode step reads per token (only the routed experts used) + KV at the mean decode "
     "context (sparse layers: top-k x block keys, index K over the whole context, index V on index-value layers). "
     "Primary bandwidth: bytes copied per second by a 256 MiB tensor copy (best of 7); STREAM-style counts read + "

@@ -39,9 +39,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="small sizes (~2 minutes); writes docs/benchmarks/quick/")
     p.add_argument("--only", nargs="+", choices=list(BENCHES), metavar="NAME",
                    help=f"run only these: {', '.join(BENCHES)}")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch/OpenMP threads for every system, subprocesses included (default 1: on a shared "
-                        "machine parallel regions stall on busy cores; 0 = torch's default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch/OpenMP threads for every system, subprocesses included (default 0 = torch's "
+                        "default, all cores; use 1 on a shared machine, where parallel regions stall on busy cores)")
     p.add_argument("--out", type=Path, default=None, help="output directory (default docs/benchmarks[/quick])")
     return p.parse_args(argv)
 
