@@ -35,7 +35,8 @@ def _test_fault_hook(prefix: str, after: int):
 
 
 def build_state(args: ServerArgs) -> ServerState:
-    engine = Engine(args.engine_args())
+    async_engine = AsyncEngine.launch(lambda: Engine(args.engine_args()))  # built on its own thread
+    engine = async_engine.engine
     prefix = os.environ.get(FAULT_PREFIX_ENV)
     if prefix:
         after = int(os.environ.get(FAULT_AFTER_ENV, "0"))
@@ -43,8 +44,8 @@ def build_state(args: ServerArgs) -> ServerState:
                        prefix, after, FAULT_PREFIX_ENV)
         engine.fault_hook = _test_fault_hook(prefix, after)
     metrics = Metrics(args.model_name, engine) if args.enable_metrics else None
-    async_engine = AsyncEngine(engine, observer=metrics.observe if metrics else None,
-                               on_submit=metrics.on_submit if metrics else None)
+    if metrics is not None:
+        async_engine.observer, async_engine.on_submit = metrics.observe, metrics.on_submit
     return ServerState(args=args, engine=engine, async_engine=async_engine, metrics=metrics)
 
 

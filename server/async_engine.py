@@ -77,18 +77,52 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self._started = threading.Event()  # set by start(): the loop is known, steps may run
         self._thread: threading.Thread | None = None
         self.last_step_time = time.monotonic()
 
     # ---- lifecycle --------------------------------------------------------------------------
+    @classmethod
+    def launch(cls, build: Callable[[], Engine]) -> AsyncEngine:
+        """Build the engine on the thread that will run it, and return once it is built.
+
+        NOTE: a model built on one thread and stepped on another ran ~30-50% slower here (measured
+        on CPU: decode steps of 64 requests 50 ms vs 75-90 ms, same code), so the engine thread
+        builds its own model. Build errors are raised here, on the caller's thread.
+        """
+        box: dict[str, object] = {}
+        built = threading.Event()
+
+        def main() -> None:
+            try:
+                box["self"] = ae = cls(build())
+            except BaseException as e:  # re-raised on the caller's thread
+                box["error"] = e
+                built.set()
+                return
+            ae._thread = threading.current_thread()
+            built.set()
+            ae._started.wait()
+            if not ae._stop.is_set():
+                ae._run()
+
+        threading.Thread(target=main, name="engine", daemon=True).start()
+        built.wait()
+        if "error" in box:
+            raise box["error"]  # type: ignore[misc]
+        return box["self"]  # type: ignore[return-value]
+
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self._thread.start()
+        if self._thread is None:  # an engine built elsewhere: step it on a new thread
+            self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+            self._thread.start()
+        self._started.set()
 
     def stop(self) -> None:
         self._stop.set()
         self._wake.set()
+        self._started.set()
         if self._thread is not None:
             self._thread.join(timeout=10)
 
