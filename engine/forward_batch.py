@@ -90,7 +90,7 @@ class Segment:
         return (j[None, None, :] <= self.q_pos[:, :, None]).unsqueeze(1)
 
 
-def decode_buckets(seq_lens: list[int], slack: float = 1.25, min_rows: int = 8) -> list[tuple[int, int, int]]:
+def decode_buckets(seq_lens: list[int], slack: float = 1.5, min_rows: int = 16) -> list[tuple[int, int, int]]:
     """Split decode rows into consecutive groups of similar length: (first row, end row, max length).
 
     Each group pads its keys to its own longest row, so rows sorted by length (the scheduler sorts
