@@ -14,6 +14,21 @@ def _pyplot():
     return plt
 
 
+def _finish(plt, fig, ax, path: Path, ticks: tuple[list, list[str]], xlabel: str, ylabel: str, title: str) -> None:
+    """Shared axes styling (log2 x axis, y from 0) and saving."""
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(*ticks)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def decode_latency_vs_context(long_context: dict, path: Path) -> bool:
     cases = long_context.get("cases") or []
     if not cases:
@@ -25,17 +40,9 @@ def decode_latency_vs_context(long_context: dict, path: Path) -> bool:
         pts = [(c["context"], c[key]["ms_per_token"]) for c in cases if c[key].get("ms_per_token")]
         if pts:
             ax.plot(*zip(*pts), style, label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks([c["context"] for c in cases], [f"{c['context'] // 1024}k" for c in cases])
-    ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("decode latency (ms / token, batch 1)")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Decode latency vs context (same weights, float32 CPU)")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    ticks = ([c["context"] for c in cases], [f"{c['context'] // 1024}k" for c in cases])
+    _finish(plt, fig, ax, path, ticks, "context length (tokens)", "decode latency (ms / token, batch 1)",
+            "Decode latency vs context (same weights, float32 CPU)")
     return True
 
 
@@ -50,17 +57,8 @@ def throughput_vs_concurrency(server_load: dict, path: Path) -> bool:
     off = server_load["offline_same_requests"]
     ax.axhline(off["tok_s"], color="gray", linestyle="--",
                label=f"offline engine, same {off['requests']} requests")
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(xs, [str(x) for x in xs])
-    ax.set_xlabel("concurrent clients")
-    ax.set_ylabel("output tokens / s")
-    ax.set_ylim(bottom=0)
-    ax.set_title("Server throughput vs concurrency")
-    ax.grid(True, alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _finish(plt, fig, ax, path, (xs, [str(x) for x in xs]), "concurrent clients", "output tokens / s",
+            "Server throughput vs concurrency")
     return True
 
 

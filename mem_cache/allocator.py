@@ -99,7 +99,9 @@ class TokenSlotAllocator:
             )
         pages = torch.unique(slot_pages)
         self._allocated[pages] = False
-        self._free_pages = torch.cat([self._free_pages, pages])
+        # NOTE: the free list stays sorted, so a request's slots come out consecutive whenever the
+        # pool allows it, and attention can then read them as a view instead of gathering.
+        self._free_pages = torch.sort(torch.cat([self._free_pages, pages])).values
 
     def clear(self) -> None:
         """Free every slot."""

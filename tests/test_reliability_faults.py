@@ -47,17 +47,6 @@ def srv():
             yield s
 
 
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(client) -> list[int]:
-    return reference_ids(client)
-
-
 def _client(url: str, n: int = 64) -> httpx.AsyncClient:
     return httpx.AsyncClient(base_url=url, timeout=120, limits=httpx.Limits(max_connections=n))
 

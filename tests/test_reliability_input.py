@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.errors import Unsatisfiable
 from schemathesis.generation.modes import GenerationMode
 
-from tests.reliability_utils import check_envelope, reference_ids, three_checks
+from tests.reliability_utils import check_envelope, three_checks
 from tests.server_utils import live_server
 
 CAP, CTX = 16, 2048
@@ -32,17 +32,6 @@ def srv():
     with live_server("--context-length", str(CTX), "--max-total-tokens", "16384", "--max-new-tokens-cap", str(CAP),
                      "--enable-metrics") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(srv):
-    with srv.client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def reference(client) -> list[int]:
-    return reference_ids(client)
 
 
 # ---- limits ------------------------------------------------------------------------------------------
