@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.linear import linear
 
 
 def as_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -105,6 +106,8 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 class GatedMLP(nn.Module):
     """Dense SwiGLU-OAI MLP with a fused [gate | up] projection."""
 
+    threads = 1  # CPU threads a few-row matmul is split over (`engine.linear`); set by the model
+
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float) -> None:
         super().__init__()
         self.alpha, self.limit = alpha, limit
@@ -113,12 +116,14 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """MLP(x), plus `residual` when given (fused into the down projection)."""
-        act = swiglu_oai(F.linear(x, self.gate_up_proj), self.alpha, self.limit)
-        return F.linear(act, self.down_proj) if residual is None else torch.addmm(residual, act, self.down_proj.t())
+        act = swiglu_oai(linear(x, self.gate_up_proj, threads=self.threads), self.alpha, self.limit)
+        return linear(act, self.down_proj, residual, threads=self.threads)
 
 
 class MoE(nn.Module):
     """Sigmoid-routed experts with correction bias, routed scaling and an always-on shared expert."""
+
+    threads = 1  # as GatedMLP.threads
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -157,8 +162,8 @@ class MoE(nn.Module):
         for t, (experts, weights) in enumerate(zip(ids.tolist(), w.tolist())):
             acc = base[t:t + 1]
             for e, wt in zip(experts, weights):
-                h = swiglu_oai(F.linear(x[t:t + 1], self.w13[e]), self.alpha, self.limit)
-                acc = torch.addmm(acc, h, self.w2[e].t(), alpha=wt * self.scale)
+                h = swiglu_oai(linear(x[t:t + 1], self.w13[e], threads=self.threads), self.alpha, self.limit)
+                acc = linear(h, self.w2[e], acc, alpha=wt * self.scale, threads=self.threads)
             rows.append(acc)
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 

@@ -14,10 +14,13 @@ from engine.attention import attention_layer
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.layers import GatedMLP, GemmaRMSNorm, MoE, Rotary, as_dtype, rope_inv_freq
+from engine.linear import linear
 from mem_cache import MiniMaxSparseKVPool
 
 
 class Attention(nn.Module):
+    threads = 1  # as GatedMLP.threads
+
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
         self.cfg, self.layer_id = cfg, layer_id
@@ -65,7 +68,7 @@ class Attention(nn.Module):
                 residual: torch.Tensor) -> torch.Tensor:
         """residual + attention(x): the residual add is fused into the output projection."""
         c, t = self.cfg, x.shape[0]
-        parts = F.linear(x, self.qkv_proj).split(self.splits, dim=-1)
+        parts = linear(x, self.qkv_proj, threads=self.threads).split(self.splits, dim=-1)
         rotated = self._norm_rope(parts[0], rope)
         q, k = rotated[0], rotated[1]
         v = parts[1].view(t, c.num_kv_heads, c.head_dim)
@@ -78,7 +81,7 @@ class Attention(nn.Module):
             else:
                 pool.set_index_k_buffer(self.layer_id, fb.out_cache_loc, ik)
         o, u = attention_layer(self.layer_id, q, iq, fb, pool, c)
-        return torch.addmm(residual, o if u is None else torch.cat([o, u], dim=-1), self.o_proj.t())
+        return linear(o if u is None else torch.cat([o, u], dim=-1), self.o_proj, residual, threads=self.threads)
 
 
 class DecoderLayer(nn.Module):
@@ -108,11 +111,16 @@ class MiniMaxM3Model(nn.Module):
                         nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size)))
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
 
-    def finalize(self) -> None:
-        """Build derived tensors (fused norm tables) once the weights are loaded and cast."""
+    threads = 1  # as GatedMLP.threads
+
+    def finalize(self, threads: int = 1) -> None:
+        """Build derived tensors (fused norm tables) once the weights are loaded and cast; `threads`:
+        the CPU threads a few-row matmul is split over (see `engine.linear`)."""
         for m in self.modules():
             if m is not self and hasattr(m, "finalize"):
                 m.finalize()
+            if hasattr(m, "threads"):
+                m.threads = threads
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
@@ -126,4 +134,4 @@ class MiniMaxM3Model(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given final hidden states [n, H]."""
         w = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, w).float()
+        return linear(hidden, w, threads=self.threads).float()
