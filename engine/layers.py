@@ -156,15 +156,25 @@ class MoE(nn.Module):
         return torch.add(base, self._grouped(x, ids, w), alpha=self.scale)
 
     def _per_token(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        """Few tokens (decode): each token runs its k experts on weight views, nothing gathered;
-        each expert's down projection accumulates into the token's row (scaled by gamma * weight)."""
+        """Few tokens (decode): each token runs its k experts as one batched matmul pair over a strided
+        view of the expert weights (nothing gathered; the sorted ids must be evenly spaced, always
+        true for k <= 2), and one matmul adds their outputs, weighted by gamma * weight, to `base`."""
         rows = []
         for t, (experts, weights) in enumerate(zip(ids.tolist(), w.tolist())):
-            acc = base[t:t + 1]
-            for e, wt in zip(experts, weights):
-                h = swiglu_oai(linear(x[t:t + 1], self.w13[e], threads=self.threads), self.alpha, self.limit)
-                acc = linear(h, self.w2[e], acc, alpha=wt * self.scale, threads=self.threads)
-            rows.append(acc)
+            pairs = sorted(zip(experts, weights))
+            sel = _even_slice([e for e, _ in pairs])
+            if sel is None:  # unevenly spaced experts: one at a time
+                acc = base[t:t + 1]
+                for e, wt in pairs:
+                    h = swiglu_oai(linear(x[t:t + 1], self.w13[e], threads=self.threads), self.alpha, self.limit)
+                    acc = linear(h, self.w2[e], acc, alpha=wt * self.scale, threads=self.threads)
+                rows.append(acc)
+                continue
+            k = len(pairs)
+            h = swiglu_oai(torch.bmm(x[t:t + 1].expand(k, 1, -1), self.w13[sel].mT), self.alpha, self.limit)
+            y = torch.bmm(h, self.w2[sel].mT).view(k, -1)  # [k, H]
+            gates = torch.tensor([[wt for _, wt in pairs]], dtype=x.dtype, device=x.device)
+            rows.append(torch.addmm(base[t:t + 1], gates, y, alpha=self.scale))
         return rows[0] if len(rows) == 1 else torch.cat(rows)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -177,9 +187,19 @@ class MoE(nn.Module):
         ys, start = [], 0
         for e, n in enumerate(counts):
             if n:
-                h = swiglu_oai(F.linear(xs[start:start + n], self.w13[e]), self.alpha, self.limit)
-                ys.append(F.linear(h, self.w2[e]))
+                h = swiglu_oai(linear(xs[start:start + n], self.w13[e], threads=self.threads), self.alpha, self.limit)
+                ys.append(linear(h, self.w2[e], threads=self.threads))
                 start += n
         y = torch.cat(ys) * w.reshape(-1)[order].to(x.dtype)[:, None]
         out = torch.empty_like(y).index_copy_(0, order, y)  # back to (token, slot) order
         return out.view(t, k, -1).sum(dim=1)
+
+
+def _even_slice(ids: list[int]) -> slice | None:
+    """A slice selecting exactly the sorted, distinct `ids` (evenly spaced), else None."""
+    if len(ids) == 1:
+        return slice(ids[0], ids[0] + 1)
+    step = ids[1] - ids[0]
+    if step <= 0 or any(b - a != step for a, b in zip(ids, ids[1:])):
+        return None
+    return slice(ids[0], ids[-1] + 1, step)
