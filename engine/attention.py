@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch, Segment
+from engine.forward_batch import ForwardBatch, Segment, additive_mask
 from engine.indexer import block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
@@ -61,7 +61,7 @@ def dense_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, s
         return decode_attention(q, k_buf, v_buf, seg, scale, seg.decode_keep)
     k, v = gather_rows(k_buf, seg), gather_rows(v_buf, seg)  # [R, n_kv, N, D]
     qh = q.view(r, t, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, n_q, T, D]
-    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=seg.attn_mask, is_causal=seg.is_causal, scale=scale,
+    o = F.scaled_dot_product_attention(qh, k, v, attn_mask=seg.attn_bias(q.dtype), is_causal=seg.is_causal, scale=scale,
                                        enable_gqa=k.shape[1] != qh.shape[1])
     return o.transpose(1, 2).reshape(r * t, -1)
 
@@ -89,7 +89,8 @@ def masked_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
         return decode_attention(q, k_buf, v_buf, seg, scale, keep)  # [R, n_kv, 1, N] covers each group
     k, v = gather_rows(k_buf, seg), gather_rows(v_buf, seg)  # [R, n_kv, N, D]
     qh = q.view(r, t, q.shape[1], q.shape[2]).transpose(1, 2)  # [R, n_q, T, D]
-    mask = keep.repeat_interleave(q.shape[1] // n_kv, dim=1)  # one selection per KV head -> its query heads
+    # one selection per KV head -> its query heads; additive (a bool mask is converted on every call)
+    mask = additive_mask(keep, q.dtype).repeat_interleave(q.shape[1] // n_kv, dim=1)
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=n_kv != q.shape[1])
     return o.transpose(1, 2).reshape(r * t, -1)
 

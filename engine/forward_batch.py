@@ -81,6 +81,17 @@ class Segment:
         """True when the plain top-left causal mask is exact (one row whose queries start at 0)."""
         return self.rows == 1 and self.queries == self.num_keys
 
+    def attn_bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """`attn_mask` as an additive mask in `dtype` (0 visible, -inf hidden): SDPA on CPU runs ~2x
+        faster with it than with a bool mask, which it converts on every call. Built once per step."""
+        mask = self.attn_mask
+        if mask is None:
+            return None
+        cache = self.__dict__.setdefault("_attn_bias", {})
+        if dtype not in cache:
+            cache[dtype] = additive_mask(mask, dtype)
+        return cache[dtype]
+
     @cached_property
     def attn_mask(self) -> torch.Tensor | None:
         """[R, 1, T, N] bool (key j visible to query t iff j <= q_pos[t]); None when not needed."""
@@ -88,6 +99,11 @@ class Segment:
             return None
         j = torch.arange(self.num_keys, device=self.q_pos.device)
         return (j[None, None, :] <= self.q_pos[:, :, None]).unsqueeze(1)
+
+
+def additive_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask (True = visible) as an additive one: 0 where visible, -inf elsewhere."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
 
 
 def decode_buckets(seq_lens: list[int], slack: float = 1.5, min_rows: int = 16) -> list[tuple[int, int, int]]:
