@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, Segment, additive_mask
-from engine.indexer import block_scores, select_blocks
+from engine.indexer import block_scores, select_blocks, select_one_query
 from mem_cache import MiniMaxSparseKVPool
 
 
@@ -156,6 +156,9 @@ def select_for_segment(iq: torch.Tensor, ik_buf: torch.Tensor, seg: Segment, cfg
     ik = gather_rows(ik_buf, seg)[:, 0]  # [R, N, D_I]
     iqh = iq.view(seg.rows, seg.queries, iq.shape[1], iq.shape[2])
     scores = block_scores(iqh, ik, seg.q_pos, cfg.block_size)
+    if seg.rows == 1 and seg.queries == 1:
+        return select_one_query(scores, seg.max_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
+                                cfg.local_blocks)
     return select_blocks(scores, seg.q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks)
 
 

@@ -6,6 +6,7 @@ Prefill, chunked prefill and decode all call `select_blocks`, so every path sele
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 NEG_INF = float("-inf")
 
@@ -20,6 +21,8 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_
     """
     r, t, h, d = iq.shape
     n, b = ik.shape[1], block_size
+    if t == 1:
+        return _decode_block_scores(iq, ik, q_pos, b)
     # one batched matmul per row; heads x queries share it, so no key tensor is expanded or copied
     scores = torch.matmul(iq.float().reshape(r, t * h, d), ik.float().transpose(1, 2))  # [R, T*H, N]
     scores = scores.view(r, t, h, n).transpose(1, 2)  # [R, H, T, N]
@@ -34,6 +37,21 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, block_
     own_scores = own_scores.masked_fill((cols > q_pos[..., None]).unsqueeze(1), NEG_INF)
     blocks.scatter_(-1, own[:, None, :, None].expand(r, h, t, 1), own_scores.amax(dim=-1, keepdim=True))
     return blocks
+
+
+def _decode_block_scores(iq: torch.Tensor, ik: torch.Tensor, q_pos: torch.Tensor, b: int) -> torch.Tensor:
+    """`block_scores` for one query per row (decode), in a handful of ops: keys after each row's
+    query (padding of shorter rows) and the partial last block are set to -inf, then one block max."""
+    r, _, h, d = iq.shape
+    n = ik.shape[1]
+    nb = -(-n // b)
+    scores = torch.matmul(iq.float().view(r, h, d), ik.float().transpose(1, 2))  # [R, H, N]
+    if nb * b != n:
+        scores = F.pad(scores, (0, nb * b - n), value=NEG_INF)
+    if r > 1:  # rows shorter than the longest: their padding keys must not count
+        hidden = torch.arange(nb * b, device=iq.device)[None, :] > q_pos  # [R, nb*B]
+        scores = scores.masked_fill(hidden[:, None, :], NEG_INF)
+    return scores.view(r, h, nb, b).amax(dim=-1).unsqueeze(2)  # [R, H, 1, nb]
 
 
 def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int,
@@ -55,3 +73,15 @@ def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, top
     count = torch.clamp(visible, max=topk)  # |S| = min(K, V_t), [R, T, 1]
     unused = torch.arange(topk, device=block.device)[None, None, :] >= count
     return order.masked_fill(unused[:, None], -1)
+
+
+def select_one_query(block: torch.Tensor, pos: int, block_size: int, topk: int, init_blocks: int,
+                     local_blocks: int) -> torch.Tensor:
+    """`select_blocks` for a single query (one decode row) at position `pos`, known on the host:
+    the same ids in the same order, with the visibility arithmetic done in Python (a few ops, not ~20)."""
+    visible = pos // block_size + 1
+    key = block[..., :visible].clone()  # [1, H, 1, V]: only visible blocks compete
+    key[..., :min(init_blocks, visible)] = float("inf")
+    key[..., max(visible - local_blocks, 0):] = float("inf")
+    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :topk]
+    return F.pad(order, (0, topk - visible), value=-1) if visible < topk else order

@@ -41,13 +41,10 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     splits = split_count(k, threads) if m <= SPLIT_MAX_ROWS and x.device.type == "cpu" else 1
     if splits > 1 and wt.is_contiguous():
         parts = torch.bmm(x.view(m, splits, k // splits).transpose(0, 1), wt.view(splits, k // splits, -1))
-        if residual is None:
-            out = parts.sum(dim=0)
-            return out if alpha == 1.0 else out.mul_(alpha)
-        out = torch.add(residual, parts[0], alpha=alpha)
-        for i in range(1, splits):
-            out.add_(parts[i], alpha=alpha)
-        return out
+        out = parts.sum(dim=0)
+        if residual is not None:
+            return torch.add(residual, out, alpha=alpha)
+        return out if alpha == 1.0 else out.mul_(alpha)
     if residual is None:
         out = F.linear(x, w)
         return out if alpha == 1.0 else out.mul_(alpha)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.indexer import block_scores, select_blocks
+from engine.indexer import block_scores, select_blocks, select_one_query
 
 
 @pytest.mark.parametrize("n,t,block", [(37, 37, 4), (100, 9, 16), (64, 1, 8), (5, 5, 8)])
@@ -43,3 +43,30 @@ def test_selection_rules():
             assert set(chosen) == forced | set(rest[: len(chosen) - len(forced)])
     tied = select_blocks(torch.zeros(1, 1, 1, 8), torch.tensor([[31]]), block, 3, 0, 1)
     assert tied[0, 0, 0].tolist() == [7, 0, 1]  # equal scores: the lower block id wins
+
+
+def test_decode_block_scores_rows_of_different_lengths():
+    """One query per row, rows padded to the longest: each row's blocks see only its own keys."""
+    g = torch.Generator().manual_seed(3)
+    n, block = 100, 16
+    iq, ik = torch.randn(3, 1, 2, 8, generator=g), torch.randn(3, n, 8, generator=g)
+    q_pos = torch.tensor([[37], [99], [63]])
+    got = block_scores(iq, ik, q_pos, block)
+    assert got.shape == (3, 2, 1, -(-n // block))
+    for r in range(3):
+        p = int(q_pos[r, 0])
+        for h in range(2):
+            for b in range(p // block + 1):
+                want = max(float(iq[r, 0, h] @ ik[r, j]) for j in range(b * block, min((b + 1) * block, p + 1)))
+                assert abs(float(got[r, h, 0, b]) - want) < 1e-5
+
+
+@pytest.mark.parametrize("topk,init,local", [(4, 1, 1), (3, 0, 2), (6, 2, 1)])
+def test_one_query_selection_equals_general(topk, init, local):
+    """The decode shortcut returns exactly select_blocks' ids, in its order, ties included."""
+    g = torch.Generator().manual_seed(topk)
+    block, nb = 8, 12
+    for pos in range(nb * block):
+        scores = torch.randint(0, 4, (1, 2, 1, nb), generator=g).float()  # many ties
+        want = select_blocks(scores, torch.tensor([[pos]]), block, topk, init, local)
+        assert torch.equal(select_one_query(scores, pos, block, topk, init, local), want)
