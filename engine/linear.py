@@ -40,7 +40,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     wt = w.mT
     splits = split_count(k, threads) if m <= SPLIT_MAX_ROWS and x.device.type == "cpu" else 1
     if splits > 1 and wt.is_contiguous():
-        parts = torch.bmm(x.view(m, splits, k // splits).transpose(0, 1), wt.view(splits, k // splits, -1))
+        xs = x.view(splits, 1, k // splits) if m == 1 else x.view(m, splits, k // splits).transpose(0, 1)
+        parts = torch.bmm(xs, wt.view(splits, k // splits, -1))
         out = parts.sum(dim=0)
         if residual is not None:
             return torch.add(residual, out, alpha=alpha)
