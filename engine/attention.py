@@ -42,6 +42,15 @@ def gather_head_major(buf: torch.Tensor, seg: Segment) -> torch.Tensor:
 SDPA_DECODE_MAX_KEYS = 2048
 
 
+def single_row_decode(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg: Segment, scale: float,
+                      bias: torch.Tensor | None) -> torch.Tensor:
+    """One decode row as one SDPA call: each KV head's G query heads act as G queries over its keys
+    (no GQA expansion); `bias` [1, n_kv or 1, 1, N] is additive and broadcasts over them."""
+    k, v = gather_head_major(k_buf, seg), gather_head_major(v_buf, seg)  # [1, n_kv, N, D]
+    o = F.scaled_dot_product_attention(q.view(1, k.shape[1], -1, k.shape[-1]), k, v, attn_mask=bias, scale=scale)
+    return o.reshape(1, -1)  # query head h = kv * G + g, as GQA maps them
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg: Segment, scale: float,
                      keep: torch.Tensor | None) -> torch.Tensor:
     """One query per row (decode): q [R, n_q, D] over each row's cached keys, GQA-grouped.
@@ -49,12 +58,9 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     Both matmuls batch over (row, KV head) on head-major gathers, without copies; `keep`
     [R, n_kv or 1, 1, N] masks keys out (padding, unselected blocks), None keeps all.
     """
+    if seg.rows == 1 and seg.num_keys <= SDPA_DECODE_MAX_KEYS:
+        return single_row_decode(q, k_buf, v_buf, seg, scale, None if keep is None else additive_mask(keep, q.dtype))
     k, v = gather_head_major(k_buf, seg), gather_head_major(v_buf, seg)  # [R, n_kv, N, D]
-    if seg.rows == 1 and seg.num_keys <= SDPA_DECODE_MAX_KEYS:  # one fused op beats our matmul pair
-        mask = None if keep is None else additive_mask(keep, q.dtype).repeat_interleave(q.shape[1] // keep.shape[1], dim=1)
-        o = F.scaled_dot_product_attention(q.view(1, 1, q.shape[1], q.shape[2]).transpose(1, 2), k, v, attn_mask=mask,
-                                           scale=scale, enable_gqa=k.shape[1] != q.shape[1])
-        return o.reshape(1, -1)
     qh = q.view(seg.rows, k.shape[1], -1, k.shape[-1])  # [R, n_kv, G, D]
     s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [R, n_kv, G, N]
     if keep is not None:
@@ -91,6 +97,8 @@ def masked_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     """Sparse attention as dense SDPA under a mask built from the selected blocks [R, n_kv, T, K]."""
     r, t, n = seg.rows, seg.queries, seg.num_keys
     n_kv, nb = blocks.shape[1], -(-n // block_size)
+    if r == 1 and t == 1 and n <= SDPA_DECODE_MAX_KEYS:  # one decode row: a block-level bias, no key mask
+        return single_row_decode(q, k_buf, v_buf, seg, scale, _block_bias(blocks, n, block_size, q.dtype))
     keep = torch.zeros(r, n_kv, t, nb + 1, dtype=torch.bool, device=blocks.device)
     keep.scatter_(-1, torch.where(blocks < 0, nb, blocks), True)  # unused slots land in a spare column
     keep = keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :n]
@@ -103,6 +111,15 @@ def masked_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.T
     mask = additive_mask(keep, q.dtype).repeat_interleave(q.shape[1] // n_kv, dim=1)
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, scale=scale, enable_gqa=n_kv != q.shape[1])
     return o.transpose(1, 2).reshape(r * t, -1)
+
+
+def _block_bias(blocks: torch.Tensor, n: int, block_size: int, dtype: torch.dtype) -> torch.Tensor:
+    """One decode row's selected blocks [1, n_kv, 1, K] -> additive bias [1, n_kv, 1, N]: 0 on the keys
+    of selected blocks, -inf elsewhere (all N keys precede the query, so no causal term)."""
+    n_kv, nb = blocks.shape[1], -(-n // block_size)
+    bias = torch.full((1, n_kv, 1, nb + 1), float("-inf"), dtype=dtype, device=blocks.device)
+    bias.scatter_(-1, torch.where(blocks < 0, nb, blocks), 0.0)  # unused slots land in a spare column
+    return bias[..., :nb, None].expand(1, n_kv, 1, nb, block_size).reshape(1, n_kv, 1, nb * block_size)[..., :n]
 
 
 def gathered_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, blocks: torch.Tensor,
