@@ -28,7 +28,7 @@ lint: $(STAMP)
 serve: $(STAMP)
 	$(PY) -m server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
-# Benchmarks (docs/benchmarks/): the full suite (~25 min on 2 cores), or a ~2-minute smoke run that
+# Benchmarks (docs/benchmarks/): the full suite (~10-15 min on 2 cores), or a ~2-minute smoke run that
 # writes docs/benchmarks/quick/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS="--only decode".
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"
