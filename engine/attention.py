@@ -58,8 +58,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     Both matmuls batch over (row, KV head) on head-major gathers, without copies; `keep`
     [R, n_kv or 1, 1, N] masks keys out (padding, unselected blocks), None keeps all.
     """
-    if seg.rows == 1 and seg.num_keys <= SDPA_DECODE_MAX_KEYS:
-        return single_row_decode(q, k_buf, v_buf, seg, scale, None if keep is None else additive_mask(keep, q.dtype))
+    if seg.rows == 1 and keep is None and seg.num_keys <= SDPA_DECODE_MAX_KEYS:  # (masked rows: `_block_bias`)
+        return single_row_decode(q, k_buf, v_buf, seg, scale, None)
     k, v = gather_head_major(k_buf, seg), gather_head_major(v_buf, seg)  # [R, n_kv, N, D]
     qh = q.view(seg.rows, k.shape[1], -1, k.shape[-1])  # [R, n_kv, G, D]
     s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [R, n_kv, G, N]

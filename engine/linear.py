@@ -41,12 +41,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, residual: torch.Tensor | None = Non
     splits = split_count(k, threads) if m <= SPLIT_MAX_ROWS and x.device.type == "cpu" else 1
     if splits > 1 and wt.is_contiguous():
         xs = x.view(splits, 1, k // splits) if m == 1 else x.view(m, splits, k // splits).transpose(0, 1)
-        parts = torch.bmm(xs, wt.view(splits, k // splits, -1))
-        out = parts.sum(dim=0)
-        if residual is not None:
-            return torch.add(residual, out, alpha=alpha)
-        return out if alpha == 1.0 else out.mul_(alpha)
-    if residual is None:
+        out = torch.bmm(xs, wt.view(splits, k // splits, -1)).sum(dim=0)
+    elif residual is not None:
+        return torch.addmm(residual, x, wt, alpha=alpha)
+    else:
         out = F.linear(x, w)
-        return out if alpha == 1.0 else out.mul_(alpha)
-    return torch.addmm(residual, x, wt, alpha=alpha)
+    if residual is not None:
+        return torch.add(residual, out, alpha=alpha)
+    return out if alpha == 1.0 else out.mul_(alpha)
