@@ -61,6 +61,20 @@ def test_decode_block_scores_rows_of_different_lengths():
                 assert abs(float(got[r, h, 0, b]) - want) < 1e-5
 
 
+@pytest.mark.parametrize("n", [64, 70])
+def test_decode_block_scores_one_row(n):
+    """A single decode row (its own matmul layout), whole blocks only and with a partial last block."""
+    g = torch.Generator().manual_seed(n)
+    block, p = 16, n - 1
+    iq, ik = torch.randn(1, 1, 2, 8, generator=g), torch.randn(1, n, 8, generator=g)
+    got = block_scores(iq, ik, torch.tensor([[p]]), block)
+    assert got.shape == (1, 2, 1, -(-n // block))
+    for h in range(2):
+        for b in range(p // block + 1):
+            want = max(float(iq[0, 0, h] @ ik[0, j]) for j in range(b * block, min((b + 1) * block, p + 1)))
+            assert abs(float(got[0, h, 0, b]) - want) < 1e-5
+
+
 @pytest.mark.parametrize("topk,init,local", [(4, 1, 1), (3, 0, 2), (6, 2, 1)])
 def test_one_query_selection_equals_general(topk, init, local):
     """The decode shortcut returns exactly select_blocks' ids, in its order, ties included."""
