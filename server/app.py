@@ -26,7 +26,12 @@ logger = logging.getLogger(__name__)
 OPEN_PATHS = ("/health",)  # reachable without the API key
 
 
-def _validation_message(exc: RequestValidationError) -> str:
+def _validation_message(exc: RequestValidationError, content_type: str) -> str:
+    media = content_type.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not media.endswith("+json") and any(
+            tuple(err.get("loc", ())) == ("body",) and isinstance(err.get("input"), bytes) for err in exc.errors()):
+        # NOTE: FastAPI hands a body of any other declared type to validation as raw bytes.
+        return f"Content-Type must be application/json, got {content_type or 'none'!r}."
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
@@ -119,7 +124,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(request, 400, _validation_message(exc))
+        return error_response(request, 400, _validation_message(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):

@@ -278,6 +278,19 @@ def test_19_wrong_json_types_are_400_never_422(client, body):
     assert client.post("/generate", content=b"{not json", headers={"content-type": "application/json"}).status_code == 400
 
 
+def test_19b_non_json_content_type_is_400_naming_it(client):
+    """`curl -d` without `-H` sends form-encoded: the 400 says what to fix (as the OpenAI routes do)."""
+    body = b'{"text": "a", "sampling_params": {"max_new_tokens": 2}}'
+    r = client.post("/generate", content=body, headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == ("Content-Type must be application/json, "
+                                            "got 'application/x-www-form-urlencoded'.")
+    r = client.post("/generate", content=body)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "Content-Type must be application/json, got 'none'."
+    r = client.post("/generate", content=body, headers={"content-type": "application/json; charset=utf-8"})
+    assert r.status_code == 200, r.text
+
+
 def test_20_prompt_longer_than_the_context_is_400(client):
     r = client.post("/generate", json={"input_ids": [7] * 2100})
     assert r.status_code == 400
