@@ -185,6 +185,8 @@ class SamplingParams:
         for tok in sorted(self.stop_token_ids):
             if not 0 <= tok < vocab_size:
                 raise ValueError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {tok}.")
+        if any(not s for s in self.stop):  # "" is in every text: it would stop at the first token
+            raise ValueError("stop cannot contain an empty string.")
         for pattern in self.stop_regex:
             try:
                 re.compile(pattern)

@@ -250,6 +250,7 @@ def test_16b_flush_cache_is_refused_while_requests_run(srv, client):
     ({"regex": "a+", "json_schema": "{}"}, "Only one of regex, json_schema, or ebnf can be set."),
     ({"regex": "a+"}, "Constrained decoding (regex) is not supported by this server."),
     ({"bogus": 1}, "unknown sampling parameter 'bogus'"),
+    ({"stop": [""]}, "stop cannot contain an empty string."),
 ])
 def test_17_invalid_sampling_params_are_400_with_the_sglang_message(client, params, message):
     for stream_flag in (False, True):

@@ -329,7 +329,8 @@ def test_error_body(http: httpx.Client, route: str, stream: bool) -> None:
              ({"logit_bias": {"999999": 1}}, "logit_bias must has keys in"),
              ({"regex": "a+"}, "not supported"),
              ({"stream": "x"}, "stream"),
-             ({"stop": 5}, "stop")]
+             ({"stop": 5}, "stop"),
+             ({"stop": ["end", ""]}, "stop cannot contain an empty string.")]
     for extra, needle in cases:
         _assert_openai_400(http.post(route, json={**base, "stream": stream, **extra}), needle)
     _assert_openai_400(http.post(route, content=json.dumps(base), headers={"content-type": "text/plain"}),

@@ -63,6 +63,8 @@ BAD = [
     ({"logit_bias": {"7": float("inf")}}, "logit_bias values must be finite numbers, got inf for key 7."),
     ({"logit_bias": {"7": float("nan")}}, "logit_bias values must be finite numbers, got nan for key 7."),
     ({"stream_interval": 0}, "stream_interval must be at least 1, got 0."),
+    ({"stop": ""}, "stop cannot contain an empty string."),
+    ({"stop": ["end", ""]}, "stop cannot contain an empty string."),
 ]
 
 
