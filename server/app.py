@@ -15,7 +15,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.async_engine import EngineDeadError
-from server.errors import ApiError, error_response
+from server.errors import ApiError, error_response, media_type, not_json_message
 from server.routes_native import router as native_router
 from server.routes_openai import document_request_bodies
 from server.routes_openai import router as openai_router
@@ -27,11 +27,11 @@ OPEN_PATHS = ("/health",)  # reachable without the API key
 
 
 def _validation_message(exc: RequestValidationError, content_type: str) -> str:
-    media = content_type.split(";", 1)[0].strip().lower()
+    media = media_type(content_type)
     if media != "application/json" and not media.endswith("+json") and any(
             tuple(err.get("loc", ())) == ("body",) and isinstance(err.get("input"), bytes) for err in exc.errors()):
         # NOTE: FastAPI hands a body of any other declared type to validation as raw bytes.
-        return f"Content-Type must be application/json, got {content_type or 'none'!r}."
+        return not_json_message(content_type)
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")

@@ -17,6 +17,16 @@ class ApiError(Exception):
         self.status, self.message, self.extra = status, message, extra or {}
 
 
+def media_type(content_type: str) -> str:
+    """'Application/JSON; charset=utf-8' -> 'application/json'."""
+    return content_type.split(";", 1)[0].strip().lower()
+
+
+def not_json_message(content_type: str) -> str:
+    """The 400 message for a body sent with another Content-Type (or none)."""
+    return f"Content-Type must be application/json, got {content_type or 'none'!r}."
+
+
 def is_openai_path(path: str) -> bool:
     return path.startswith("/v1/")
 

@@ -19,7 +19,7 @@ from pydantic import BaseModel, ValidationError
 from engine.request import LogprobOptions, RequestOutput
 from engine.sampling import SamplingParams
 from engine.tokenizer import Tokenizer
-from server.errors import ApiError
+from server.errors import ApiError, media_type, not_json_message
 from server.openai_convert import (
     ChatLogprobCursor,
     CompletionLogprobCursor,
@@ -76,8 +76,8 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
 async def _parse(request: Request, model: type[M]) -> M:
     """The JSON body as `model`; anything else (wrong Content-Type, bad JSON, bad types) is a 400."""
     ctype = request.headers.get("content-type", "")
-    if ctype.split(";", 1)[0].strip().lower() != "application/json":
-        raise ApiError(400, f"Content-Type must be application/json, got {ctype or 'none'!r}.")
+    if media_type(ctype) != "application/json":
+        raise ApiError(400, not_json_message(ctype))
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
