@@ -55,7 +55,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
                      keep: torch.Tensor | None) -> torch.Tensor:
     """One query per row (decode): q [R, n_q, D] over each row's cached keys, GQA-grouped.
 
-    Both matmuls batch over (row, KV head) on head-major gathers, without copies; `keep`
+    Both matmuls batch over (row, KV head) on head-major gathers, with no K/V copy per query head; `keep`
     [R, n_kv or 1, 1, N] masks keys out (padding, unselected blocks), None keeps all.
     """
     if seg.rows == 1 and keep is None and seg.num_keys <= SDPA_DECODE_MAX_KEYS:  # (masked rows: `_block_bias`)
