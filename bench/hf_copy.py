@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine.config import ModelConfig
-from engine.model import MiniMaxM3Model
+from engine.model.config import ModelConfig
+from engine.model.model import MiniMaxM3Model
 
 
 def hf_config(cfg: ModelConfig):

@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from bench.context import ModelDirs
 from bench.hf_copy import write_hf_copy
-from engine.loader import load_model
+from engine.model.loader import load_model
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 

@@ -9,10 +9,11 @@ from typing import Any
 
 from bench.timing import TokenTimes
 from bench.workload import greedy, greedy_like_transformers
-from engine.engine import Engine
-from engine.engine_args import EngineArgs
-from engine.llm import LLM
-from engine.sampling import SamplingParams
+from engine.runtime.engine import Engine
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.llm import LLM
+from engine.runtime.request import NewRequest
+from engine.runtime.sampling_params import SamplingParams
 
 
 def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
@@ -29,7 +30,7 @@ def timed_generate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
     """Run one greedy request alone through `engine.step()`, stamping every output token's arrival."""
     assert not engine.has_work(), "timed_generate needs an idle engine"
     start = time.perf_counter()
-    rid = engine.add_request(list(prompt_ids), SamplingParams.from_dict(sampling(max_new_tokens)))[0]
+    (rid,) = engine.add_requests([NewRequest(list(prompt_ids), SamplingParams.from_dict(sampling(max_new_tokens)))])[0]
     times: list[float] = []
     ids: list[int] = []
     done, cached = False, None

@@ -3,7 +3,7 @@ the config alone; the decode roofline is bandwidth / these bytes."""
 
 from __future__ import annotations
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 ROUTER_BYTES = 4  # the router weight and bias stay fp32 whatever the model dtype
 

@@ -1,14 +1,15 @@
-"""KV cache: SGLang-style token pools for a model with dense and block-sparse attention layers.
+"""KV cache: SGLang-style token pools for a model with dense and block-sparse attention layers, and the
+manager that owns token slots, request rows and the prefix cache.
 
 Knows no model and no HTTP: nothing here imports `engine/` or `server/`.
 """
 
 from mem_cache.allocator import TokenSlotAllocator
 from mem_cache.errors import KOnlyPoolError, LayerIdError, MissingBufferError, PoolExhaustedError
+from mem_cache.kv_manager import KVCacheManager, ReqKV
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
 from mem_cache.layer_kinds import BUFFER_NAMES, LAYER_KINDS, BufferLocation
-from mem_cache.radix_cache import RadixCache
-from mem_cache.radix_tree import TreeNode
+from mem_cache.radix_cache import RadixCache, TreeNode
 from mem_cache.req_to_token import ReqToTokenPool
 from mem_cache.sparse_pool import MiniMaxSparseKVPool
 
@@ -17,6 +18,7 @@ __all__ = [
     "LAYER_KINDS",
     "BufferLocation",
     "KOnlyPoolError",
+    "KVCacheManager",
     "LayerIdError",
     "MHATokenToKOnlyPool",
     "MHATokenToKVPool",
@@ -24,6 +26,7 @@ __all__ = [
     "MissingBufferError",
     "PoolExhaustedError",
     "RadixCache",
+    "ReqKV",
     "ReqToTokenPool",
     "TokenSlotAllocator",
     "TreeNode",

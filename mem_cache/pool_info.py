@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from mem_cache.errors import LayerIdError, MissingBufferError
-from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
+from mem_cache.errors import MissingBufferError
+from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool, check_layer_id
 from mem_cache.layer_kinds import (
     BUFFER_NAMES,
     DENSE,
@@ -43,10 +43,7 @@ class SparsePoolInfoMixin:
     _routes: list[dict[str, BufferLocation | None]]
 
     def _check_layer(self, layer_id: int) -> None:
-        if not 0 <= layer_id < self.num_layers:
-            raise LayerIdError(
-                f"layer_id {layer_id} does not exist; valid layer ids are 0..{self.num_layers - 1}"
-            )
+        check_layer_id(layer_id, self.num_layers)
 
     def layer_kind(self, layer_id: int) -> str:
         """ "dense" | "sparse_index_kv" | "sparse_k_only"."""

@@ -25,8 +25,8 @@ def _check_sub_pool(
     layer_ids: list[int],
 ) -> None:
     tag = f"{type(pool).__name__} '{pool.name}'"
-    assert (pool.size, pool.page_size, pool.dtype) == (parent.size, parent.page_size, parent.dtype), (
-        f"{tag}: size/page_size/dtype {(pool.size, pool.page_size, pool.dtype)} differ from the parent's"
+    assert (pool.size, pool.dtype) == (parent.size, parent.dtype), (
+        f"{tag}: size/dtype {(pool.size, pool.dtype)} differ from the parent's"
     )
     assert (pool.head_num, pool.head_dim) == (head_num, head_dim), (
         f"{tag}: heads x dim {(pool.head_num, pool.head_dim)} != expected {(head_num, head_dim)}"
@@ -34,7 +34,7 @@ def _check_sub_pool(
     assert pool.global_layer_ids == layer_ids, (
         f"{tag}: holds layers {pool.global_layer_ids}, expected {layer_ids}"
     )
-    shape = (parent.size + parent.page_size, head_num, head_dim)
+    shape = (parent.size + 1, head_num, head_dim)
     tensors = list(pool.k_buffer)
     assert len(pool.k_buffer) == len(layer_ids), (
         f"{tag}: {len(pool.k_buffer)} K buffers for {len(layer_ids)} layers"

@@ -24,7 +24,7 @@ from mem_cache.pool_integrity import check_sparse_pool_integrity
 class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     """Token-slot KV cache for a model mixing dense and block-sparse attention layers.
 
-    Sub-pools (all share the same token slots, `size + page_size` rows each):
+    Sub-pools (all share the same token slots, `size + 1` rows each, row 0 the padding slot):
     - `main_pool` (MHATokenToKVPool, head_num x head_dim): main K/V of EVERY layer, local id == global id.
     - `index_kv_pool` (MHATokenToKVPool, 1 x index_head_dim): index K and V of the `sparse_index_kv`
       layers; None when there are none.
@@ -38,7 +38,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def __init__(
         self,
         size: int,
-        page_size: int,
         dtype: torch.dtype,
         layer_kinds: Sequence[str],
         head_num: int,
@@ -49,7 +48,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         self.layer_kinds = validate_layer_kinds(layer_kinds)
         self.num_layers = len(self.layer_kinds)
         self.size = size
-        self.page_size = page_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.head_num = head_num
@@ -57,7 +55,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         self.index_head_dim = index_head_dim
         self.index_kv_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_INDEX_KV]
         self.index_k_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_K_ONLY]
-        common = {"size": size, "page_size": page_size, "dtype": dtype, "device": self.device}
+        common = {"size": size, "dtype": dtype, "device": self.device}
         self.main_pool = MHATokenToKVPool(
             **common, head_num=head_num, head_dim=head_dim, layer_num=self.num_layers, name="main_pool"
         )
@@ -99,23 +97,21 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
             routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_local[layer_id])
         return routes
 
-    # ---- main K/V: every layer -------------------------------------------------------------------
+    # ---- main K/V: every layer (the main pool's local ids are the global ids) ----------------------
+    page_size = 1  # reported by GET /pools; SGLang serves CPU with page size 1, and so do we
+
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
-        self._check_layer(layer_id)
         return self.main_pool.get_key_buffer(layer_id)
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
-        self._check_layer(layer_id)
         return self.main_pool.get_value_buffer(layer_id)
 
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        self._check_layer(layer_id)
         return self.main_pool.get_kv_buffer(layer_id)
 
     def set_kv_buffer(
         self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
     ) -> None:
-        self._check_layer(layer_id)
         self.main_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v)
 
     # ---- index K: both sparse groups; index V: sparse_index_kv only -------------------------------
@@ -173,21 +169,19 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def size_for_budget(
         cls,
         budget_bytes: int,
-        page_size: int,
         layer_kinds: Sequence[str],
         head_num: int,
         head_dim: int,
         index_head_dim: int,
         dtype: torch.dtype,
     ) -> int:
-        """Largest `size` (a multiple of page_size) whose pool, padding page included, fits `budget_bytes`."""
+        """Largest `size` whose pool, padding slot included, fits `budget_bytes`."""
         per_token = cls.bytes_per_token_for(layer_kinds, head_num, head_dim, index_head_dim, dtype)
-        # NOTE: the pool holds size + page_size rows (page 0 is the padding page), hence the subtraction.
-        size = (budget_bytes // per_token - page_size) // page_size * page_size
-        if size < page_size:
+        size = budget_bytes // per_token - 1  # NOTE: the pool holds size + 1 rows (row 0 is the padding slot)
+        if size < 1:
             raise ValueError(
-                f"a KV budget of {budget_bytes} bytes holds no usable page: one token costs {per_token} bytes "
-                f"and at least {2 * page_size} rows ({2 * page_size * per_token} bytes) are needed"
+                f"a KV budget of {budget_bytes} bytes holds no usable slot: one token costs {per_token} bytes "
+                f"and at least 2 rows ({2 * per_token} bytes) are needed"
             )
         return size
 

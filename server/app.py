@@ -10,14 +10,14 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import Response
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.async_engine import EngineDeadError
 from server.errors import ApiError, error_response, media_type, not_json_message
+from server.openai_protocol import document_request_bodies
 from server.routes_native import router as native_router
-from server.routes_openai import document_request_bodies
 from server.routes_openai import router as openai_router
 from server.routes_pools import router as pools_router
 from server.state import ServerState
@@ -149,8 +149,12 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        ok = state.ready and state.async_engine.alive
-        return Response(status_code=200 if ok else 503)
+        if state.healthy:
+            return Response(status_code=200)
+        if state.async_engine.warming and state.ready:
+            return JSONResponse({"error": {"message": "warming up: compiling the decode graphs (see the log)"}},
+                                status_code=503)
+        return Response(status_code=503)
 
     app.include_router(native_router)
     app.include_router(openai_router)

@@ -1,32 +1,23 @@
-"""Server flags (SGLang's names where they exist) and their translation into EngineArgs."""
+"""Server flags (SGLang's names where they exist): the engine's (EngineArgs) plus the server's own."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
 
-from engine.engine_args import EngineArgs
+from engine.runtime.engine_args import EngineArgs
+
+INT_OR_NONE = ("max_total_tokens", "context_length", "kv_cache_bytes", "max_new_tokens_cap", "cuda_graph_max_bs")
 
 
 @dataclass
 class ServerArgs:
-    model_path: str = "configs/tiny"
-    tokenizer_path: str | None = None
-    skip_tokenizer_init: bool = False
-    load_format: str = "auto"
+    engine: EngineArgs = field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     port: int = 30000
-    device: str | None = None
-    dtype: str = "auto"
-    context_length: int | None = None
-    max_running_requests: int = 64
-    max_total_tokens: int | None = None
-    kv_cache_bytes: int | None = None
-    mem_fraction_static: float = 0.8
-    chunked_prefill_size: int = 2048
-    page_size: int = 1
-    disable_radix_cache: bool = False
-    random_seed: int = 0
     num_threads: int = 0  # torch intra-op threads for this process; 0 keeps torch's default
     served_model_name: str | None = None
     enable_metrics: bool = False
@@ -37,38 +28,52 @@ class ServerArgs:
     cors_origins: list[str] = field(default_factory=list)  # CORS is off unless origins are named
     max_request_bytes: int = 1 << 20  # request bodies above this are refused before parsing (413)
     max_batch_size: int = 256  # prompts (x n) in one /generate or /v1 request
-    max_new_tokens_cap: int | None = None  # upper bound on any request's max_new_tokens (None: the context length)
-
-    def engine_args(self) -> EngineArgs:
-        names = {f.name for f in fields(EngineArgs)}
-        return EngineArgs(**{k: getattr(self, k) for k in names})
+    max_logprobs: int = 20  # largest top_logprobs (chat) / logprobs x4 (completions) the OpenAI routes take
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model_path
+        return self.served_model_name or self.engine.model_path
+
+    def flat(self) -> dict[str, Any]:
+        """Every flag, engine ones included, as one flat dict (what /server_info shows)."""
+        out = dataclasses.asdict(self.engine)
+        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"})
+        out["model_path"] = str(Path(self.engine.model_path).resolve())
+        if self.engine.tokenizer_path:
+            out["tokenizer_path"] = str(Path(self.engine.tokenizer_path).resolve())
+        return out
 
 
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def _add(p: argparse.ArgumentParser, name: str, default: Any) -> None:
+    if isinstance(default, bool):
+        p.add_argument(_flag(name), action="store_true", default=default)
+    elif isinstance(default, list) or name == "cuda_graph_bs":
+        kind = int if name == "cuda_graph_bs" else str
+        p.add_argument(_flag(name), nargs="*", type=kind, default=default)
+    else:
+        kind = int if name in INT_OR_NONE else {int: int, float: float}.get(type(default), str)
+        p.add_argument(_flag(name), type=kind, default=default)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m server", description="MiniMax-M3-style sparse-attention LM server")
-    defaults = ServerArgs()
+    engine, server = EngineArgs(), ServerArgs()
+    for f in fields(EngineArgs):
+        _add(p, f.name, getattr(engine, f.name))
+    p.add_argument("--disable-torch-compile", action="store_true", dest="disable_cuda_graph",
+                   help="the same switch as --disable-cuda-graph: decode runs eager")
     for f in fields(ServerArgs):
-        default = getattr(defaults, f.name)
-        if isinstance(default, bool):
-            p.add_argument(_flag(f.name), action="store_true", default=default)
-        elif isinstance(default, list):
-            p.add_argument(_flag(f.name), nargs="*", default=[])
-        else:
-            kind = {int: int, float: float}.get(type(default), str)
-            if f.name in ("max_total_tokens", "context_length", "kv_cache_bytes", "max_new_tokens_cap"):
-                kind = int
-            p.add_argument(_flag(f.name), type=kind, default=default)
+        if f.name != "engine":
+            _add(p, f.name, getattr(server, f.name))
     return p
 
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = build_parser().parse_args(argv)
-    return ServerArgs(**vars(ns))
+    ns = vars(build_parser().parse_args(argv))
+    names = {f.name for f in fields(EngineArgs)}
+    engine = EngineArgs(**{k: v for k, v in ns.items() if k in names})
+    return ServerArgs(engine=engine, **{k: v for k, v in ns.items() if k not in names})

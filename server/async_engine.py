@@ -1,66 +1,77 @@
 """The bridge between the asyncio event loop and the engine thread.
 
-`submit` validates on the caller's thread (so bad input is a 400 before any stream starts) and
-opens one `Outbox` per sample; the engine thread runs `Engine.step()` and hands each output to its
-outbox with `call_soon_threadsafe`. An outbox holds at most MAX_BACKLOG unread outputs (a consumer
-that stops reading costs bounded memory). A consumer that goes away (client disconnect) aborts.
+`submit` hands requests to the engine (which validates them: a ValueError is the client's 400) and
+opens one `Channel` for their samples; the engine thread sleeps until there is work, runs
+`Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
+
+NOTE: the engine thread is the only thread that runs torch: it builds the engine, warms it up and
+steps it. libgomp gives every thread that runs a parallel region an OpenMP pool of its own, and once
+the pools hold more threads than there are CPUs its workers stop spin-waiting between regions, so
+each region pays a futex wake-up: a model built on the main thread and stepped on this one ran every
+small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
+from concurrent.futures import Future
 
-from engine.engine import Engine
-from engine.request import LogprobOptions, RequestOutput
-from engine.sampling import SamplingParams
+from engine.runtime.engine import Engine
+from engine.runtime.request import NewRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
 
 Observer = Callable[[RequestOutput, float], None]
 SubmitHook = Callable[[list[str], float], None]
 
-
-# Outputs of one request that may wait for a slow consumer before they are merged. Outputs carry
-# cumulative output_ids/text/logprobs, so merging two keeps everything a consumer needs; without the
-# bound a client that stops reading a stream makes the server hold one cumulative copy per step.
+# Outputs of one request that may wait for a slow consumer; past this many, the newest is merged into
+# the last queued one (outputs are deltas: merging keeps everything), so a client that stops reading
+# costs bounded memory.
 MAX_BACKLOG = 64
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread has stopped; no request can be served."""
+    """The engine thread has stopped (or the server is shutting down); no request can be served."""
 
 
-class Outbox:
-    """The outputs of one request not yet read by its consumer: at most `limit` of them.
+def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """One output carrying the deltas of `a` then `b` (and `b`'s counts and finish)."""
+    lp = a.logprobs
+    if lp is not None and b.logprobs is not None:
+        lp.extend(b.logprobs)
+    return RequestOutput(b.rid, a.new_ids + b.new_ids, a.new_text + b.new_text, lp, b.completion_tokens,
+                         b.prompt_tokens, b.cached_tokens, b.finished, b.finish_reason, b.num_retractions, b.error)
 
-    Past the limit the newest unfinished output replaces the last queued one (its `new_ids` are
-    carried over), so a consumer that stops reading costs O(limit) outputs, not one per step.
-    """
+
+class Channel:
+    """The outputs of one submission's sequences not yet read by its one reader, in arrival order, as
+    (sequence index, output). Past `limit` queued items a new output is merged into the last queued
+    one of its sequence, so at most `limit` + (number of sequences) items are ever held."""
 
     def __init__(self, limit: int = MAX_BACKLOG) -> None:
         self.limit = limit
-        self._items: deque[RequestOutput] = deque()
+        self._items: deque[tuple[int, RequestOutput]] = deque()
         self._ready = asyncio.Event()
-        self.merged = 0  # outputs folded into a later one (observability)
 
     def __len__(self) -> int:
         return len(self._items)
 
-    def put_nowait(self, out: RequestOutput) -> None:
-        if len(self._items) >= self.limit and not self._items[-1].finished:
-            prev = self._items.pop()
-            out = dataclasses.replace(out, new_ids=prev.new_ids + out.new_ids)
-            self.merged += 1
-        self._items.append(out)
+    def put_nowait(self, idx: int, out: RequestOutput) -> None:
+        if len(self._items) >= self.limit:
+            for j in range(len(self._items) - 1, -1, -1):
+                if self._items[j][0] == idx:
+                    self._items[j] = (idx, merge(self._items[j][1], out))
+                    self._ready.set()
+                    return
+        self._items.append((idx, out))
         self._ready.set()
 
-    async def get(self) -> RequestOutput:
+    async def get(self) -> tuple[int, RequestOutput]:
         while not self._items:
             self._ready.clear()
             await self._ready.wait()
@@ -68,87 +79,70 @@ class Outbox:
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine, observer: Observer | None = None, on_submit: SubmitHook | None = None) -> None:
-        self.engine = engine
-        self.observer = observer  # sees every output on the event loop (metrics)
-        self.on_submit = on_submit  # sees every accepted request's rids and arrival time (metrics)
-        self.accepting = True
-        self._queues: dict[str, Outbox] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._started = threading.Event()  # set by start(): the loop is known, steps may run
-        self._thread: threading.Thread | None = None
-        self.last_step_time = time.monotonic()
-
-    # ---- lifecycle --------------------------------------------------------------------------
-    @classmethod
-    def launch(cls, build: Callable[[], Engine]) -> AsyncEngine:
-        """Build the engine on the thread that will run it, and return once it is built.
-
-        NOTE: a model built on one thread and stepped on another ran ~30-50% slower here (measured
-        on CPU: decode steps of 64 requests 50 ms vs 75-90 ms, same code), so the engine thread
-        builds its own model. Build errors are raised here, on the caller's thread.
-        """
-        box: dict[str, object] = {}
-        built = threading.Event()
+    def __init__(self, build: Callable[[], Engine], max_sequences: int | None = None) -> None:
+        """Start the engine thread and build the engine there (its errors raise here, on the caller's
+        thread); the thread steps it once `start` gives it the event loop."""
+        built: Future[Engine] = Future()
+        self._go = threading.Event()
 
         def main() -> None:
             try:
-                box["self"] = ae = cls(build())
-            except BaseException as e:  # re-raised on the caller's thread
-                box["error"] = e
-                built.set()
+                built.set_result(build())
+            except BaseException as e:  # noqa: BLE001 - re-raised on the caller's thread
+                built.set_exception(e)
                 return
-            ae._thread = threading.current_thread()
-            built.set()
-            ae._started.wait()
-            if not ae._stop.is_set():
-                ae._run()
+            self._go.wait()
+            if not self._stop.is_set():
+                self._run()
 
-        threading.Thread(target=main, name="engine", daemon=True).start()
-        built.wait()
-        if "error" in box:
-            raise box["error"]  # type: ignore[misc]
-        return box["self"]  # type: ignore[return-value]
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=main, name="engine", daemon=True)
+        self._thread.start()
+        self.engine = built.result()
+        self.max_sequences = max_sequences  # samples one submit may queue (--max-batch-size)
+        self.observer: Observer | None = None  # sees every output on the event loop (metrics)
+        self.on_submit: SubmitHook | None = None  # sees every accepted request's rids and arrival time (metrics)
+        self.accepting = True
+        self._routes: dict[str, tuple[Channel, int]] = {}  # rid of a live sample -> its reader, its index
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.warming = True  # until the engine thread has compiled or captured its decode graphs
 
+    # ---- lifecycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        if self._thread is None:  # an engine built elsewhere: step it on a new thread
-            self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-            self._thread.start()
-        self._started.set()
+        self._go.set()
 
     def stop(self) -> None:
         self._stop.set()
-        self._wake.set()
-        self._started.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
+        self._go.set()
+        self.engine.wake()
+        self._thread.join(timeout=10)
 
     @property
     def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._go.is_set() and self._thread.is_alive()
 
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._routes)
 
     def num_pending_outputs(self) -> int:
-        """Outputs produced but not yet read by their consumers (bounded by MAX_BACKLOG each)."""
-        return sum(len(q) for q in self._queues.values())
+        """Outputs produced but not yet read by their readers (bounded per reader)."""
+        return sum(len(c) for c in {id(c): c for c, _ in self._routes.values()}.values())
 
     def _run(self) -> None:
+        try:
+            self.engine.warm_up()
+        except Exception:
+            logger.exception("decode graph warm-up failed: decoding eager")
+        self.warming = False
         while not self._stop.is_set():
-            if not self.engine.has_work():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+            if not self.engine.wait_for_work():
                 continue
             try:
                 outs = self.engine.step()
             except Exception as e:  # the batch is lost: fail its requests, keep serving the rest
                 logger.exception("engine step failed")
                 outs = self.engine.fail_all(f"internal error in the engine: {e}")
-            self.last_step_time = time.monotonic()
             if outs and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, outs)
 
@@ -157,71 +151,38 @@ class AsyncEngine:
         for out in outs:
             if self.observer is not None:
                 self.observer(out, now)
-            q = self._queues.get(out.rid)
-            if q is not None:
-                q.put_nowait(out)
+            route = self._routes.get(out.rid)
+            if route is not None:
+                route[0].put_nowait(route[1], out)
                 if out.finished:
-                    del self._queues[out.rid]
+                    del self._routes[out.rid]
 
-    # ---- requests (event-loop thread) -------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, logprob: LogprobOptions | None = None,
-               rid: str | None = None) -> list[str]:
-        """Validate and queue; raises ValueError for the client. Returns one rid per sample."""
+    # ---- requests (event-loop thread) ---------------------------------------------------------------
+    def submit(self, reqs: list[NewRequest]) -> tuple[list[str], Channel]:
+        """Queue every request or none (ValueError for the client). Returns every sample's rid (request
+        by request, n samples each) and the channel their outputs arrive on, indexed in that order."""
         if not self.accepting:
             raise EngineDeadError("the server is shutting down")
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        if rid is not None and any(k == rid or k.startswith(rid + "_") for k in self._queues):
-            raise ValueError(f"rid {rid!r} is already in use by a running request.")
-        rids = self.engine.add_request(prompt_ids, params, logprob, rid)
-        for r in rids:
-            self._queues[r] = Outbox()
+        rids = [r for group in self.engine.add_requests(reqs, self.max_sequences) for r in group]
+        channel = Channel()
+        self._routes.update({r: (channel, i) for i, r in enumerate(rids)})
         if self.on_submit is not None:
             self.on_submit(rids, time.monotonic())
-        self._wake.set()
-        return rids
-
-    def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request until it finishes; abandoning the iterator mid-way aborts the request.
-
-        NOTE: the queue is looked up now, not at the first iteration: a request can finish (and its
-        queue leave `_queues`) before a consumer starts iterating. Raises KeyError for an unknown rid.
-        """
-        q = self._queues.get(rid)
-        if q is None:
-            raise KeyError(rid)
-        return self._iterate(rid, q)
-
-    async def _iterate(self, rid: str, q: Outbox) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            while not finished:
-                out = await q.get()
-                finished = out.finished
-                yield out
-        finally:
-            if not finished:
-                self.abort(rid)
-
-    async def result(self, rid: str) -> RequestOutput:
-        last = None
-        async for out in self.stream(rid):
-            last = out
-        assert last is not None
-        return last
+        return rids, channel
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.engine.abort(rid, abort_all)
-        self._wake.set()
 
     async def drain(self, grace: float) -> None:
         """Stop accepting; let in-flight requests finish for up to `grace` s, then abort the rest."""
         self.accepting = False
         deadline = time.monotonic() + grace
-        while self._queues and time.monotonic() < deadline:
+        while self._routes and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self._queues:
+        if self._routes:
             self.abort(abort_all=True)
             deadline = time.monotonic() + 5
-            while self._queues and time.monotonic() < deadline:
+            while self._routes and time.monotonic() < deadline:
                 await asyncio.sleep(0.05)

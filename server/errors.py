@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
@@ -43,3 +45,12 @@ def error_response(request: Request | str, status: int, message: str, extra: dic
                    headers: dict | None = None) -> JSONResponse:
     path = request if isinstance(request, str) else request.url.path
     return JSONResponse(error_body(path, status, message, extra), status_code=status, headers=headers)
+
+
+def sse_error(path: str, status: int, message: str) -> str:
+    """An error as a stream frame, once a stream has begun: the path's envelope under "error"."""
+    body = error_body(path, status, message)
+    inner = {k: v for k, v in body.items() if k != "object"} if is_openai_path(path) else body["error"]
+    if not is_openai_path(path):
+        inner = inner | {"code": status}
+    return f"data: {json.dumps({'error': inner}, ensure_ascii=False)}\n\n"

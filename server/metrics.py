@@ -15,7 +15,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from engine.request import RequestOutput
+from engine.runtime.request import RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = [0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400]
@@ -42,26 +42,25 @@ class _EngineGauges:
 
     def collect(self) -> Any:
         m, eng = self.m, self.m.engine
-        alloc, sched, pool = eng.runner.allocator, eng.scheduler, eng.runner.pool
-        used = alloc.used_size()
+        st, pool = eng.stats(), eng.pool
         values = {
-            "num_running_reqs": ("The number of running requests.", len(sched.running)),
-            "num_used_tokens": ("The number of used KV tokens (prefix cache included).", used),
-            "token_usage": ("The KV token usage (0-1).", used / alloc.size),
+            "num_running_reqs": ("The number of running requests.", st.num_running),
+            "num_used_tokens": ("The number of used KV tokens (prefix cache included).", st.used_tokens),
+            "token_usage": ("The KV token usage (0-1).", st.token_usage),
             "gen_throughput": ("The generation throughput (token/s).", m.gen_throughput()),
-            "num_queue_reqs": ("The number of requests in the waiting queue.", len(sched.waiting)),
+            "num_queue_reqs": ("The number of requests in the waiting queue.", st.num_waiting),
             "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
             "cache_hit_rate": ("The prefix cache hit rate.", m.cache_hit_rate()),
             "spec_accept_length": ("The average speculative accept length.", 0.0),
-            "max_total_num_tokens": ("The KV pool size in tokens.", alloc.size),
+            "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens),
         }
         for name, (doc, value) in values.items():
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
             g.add_metric([m.model_name], float(value))
             yield g
         per_pool = {
-            "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: used),
-            "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: alloc.available_size()),
+            "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: st.used_tokens),
+            "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: st.free_tokens),
             "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes()),
         }
         for name, (doc, fn) in per_pool.items():
@@ -115,7 +114,7 @@ class Metrics:
         t = self._reqs.get(out.rid)
         if t is None:  # not submitted through AsyncEngine (e.g. an engine-internal request)
             return
-        new = len(out.output_ids) - t.seen_tokens
+        new = out.completion_tokens - t.seen_tokens
         if new > 0:
             if t.first_token is None:
                 self.ttft.observe(now - t.arrival)
@@ -125,13 +124,13 @@ class Metrics:
             else:
                 self._itl(now - (t.last_token or now), new)
             t.first_token = t.first_token or now
-            t.last_token, t.seen_tokens = now, len(out.output_ids)
+            t.last_token, t.seen_tokens = now, out.completion_tokens
             self._recent.append((now, new))
             self.gen_throughput(now)  # prunes the window
         if out.finished:
             del self._reqs[out.rid]
             self.prompt_tokens.inc(out.prompt_tokens)
-            self.generation_tokens.inc(len(out.output_ids))
+            self.generation_tokens.inc(out.completion_tokens)
             self.cached_tokens.inc(out.cached_tokens)
             self._prompt_total += out.prompt_tokens
             self._cached_total += out.cached_tokens

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 WEIGHT_VERSION = "default"
 
@@ -47,12 +47,32 @@ class SamplingFields(BaseModel):
     json_schema: str | None = None
     ebnf: str | None = None
     rid: str | None = None
+    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens (-1: up to the cap)
+    best_of: int | None = None
+    use_beam_search: bool | None = None
+
+    @field_validator("seed")
+    @classmethod
+    def _seed(cls, v: int | None) -> int | None:
+        if v is not None and not -(2**63) <= v < 2**63:
+            raise ValueError(f"seed must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
 
     def unsupported(self) -> str | None:
         """The first requested feature this server does not implement, if any."""
         for name in ("regex", "json_schema", "ebnf"):
             if getattr(self, name) is not None:
                 return f"{name} (constrained decoding) is not supported by this server."
+        if self.best_of is not None and self.best_of > 1:
+            return f"best_of={self.best_of} is not supported by this server (only 1); use n for several samples."
+        if self.use_beam_search:
+            return "use_beam_search is not supported by this server (no beam search); remove it."
         return None
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
@@ -135,11 +155,13 @@ class ChatCompletionRequest(SamplingFields):
 
 # ---- responses ------------------------------------------------------------------------------------
 class UsageInfo(BaseModel):
+    """OpenAI's usage object, exactly its fields (reasoning tokens go in completion_tokens_details)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
-    reasoning_tokens: int = 0
+    completion_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
 
 
 class CompletionLogprobs(BaseModel):
@@ -155,6 +177,8 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Field(  # vLLM's extension, only when asked
+        default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionResponse(BaseModel):
@@ -203,6 +227,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Field(  # vLLM's extension, only when asked
+        default=None, exclude_if=lambda v: v is None)
     metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})
 
 
@@ -221,3 +247,32 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatStreamChoice]
     usage: UsageInfo | None = None
+
+
+def document_request_bodies(schema: dict[str, Any]) -> None:
+    """Add the JSON request bodies of the two generation routes to an OpenAPI document.
+
+    Both routes parse their body themselves (Content-Type check, OpenAI error envelope), so FastAPI
+    cannot see the models; without this, clients and schema-driven tests see no body at all.
+    """
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
+        op = schema.get("paths", {}).get(path, {}).get("post")
+        if op is None:
+            continue
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        for name, sub in body.pop("$defs", {}).items():
+            components.setdefault(name, sub)
+        components[model.__name__] = body
+        op["requestBody"] = {"required": True, "content": {"application/json": {
+            "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    # validation errors are 400 in this server's envelopes (app.py), never FastAPI's 422
+    for path, item in schema.get("paths", {}).items():
+        for op in item.values():
+            responses = op.setdefault("responses", {})
+            responses.pop("422", None)
+            responses["400"] = {"description": "Bad request: " + (
+                "the OpenAI error object" if path.startswith("/v1/") else '{"error": {"message": ...}}')}
+    for name in ("HTTPValidationError", "ValidationError"):
+        components.pop(name, None)
+

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 import uuid
@@ -13,12 +12,14 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.sampling import SamplingParams
+from engine.runtime.request import NewRequest
+from engine.runtime.sampling_params import SamplingParams
 from server import __version__
 from server.errors import ApiError
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeReq, TokenizeReq
 from server.state import ServerState
+from server.submission import Submission
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -35,23 +36,24 @@ async def health_generate(request: Request) -> Response:
     state = _state(request)
     if not state.ready:
         return Response(status_code=503)
-    eng = state.async_engine
-    params = SamplingParams(max_new_tokens=1, temperature=0.0)
-    (rid,) = eng.submit([0], params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+    req = NewRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+    sub = Submission(state.async_engine, [req], "/health_generate")
     try:
-        out = await asyncio.wait_for(eng.result(rid), HEALTH_TIMEOUT_S)
-    except asyncio.TimeoutError:
+        (res,) = await asyncio.wait_for(sub.collect(request), HEALTH_TIMEOUT_S)
+    except (asyncio.TimeoutError, ApiError):
         logger.error("health_generate: no answer from the engine within %.0f s", HEALTH_TIMEOUT_S)
         return Response(status_code=503)
-    ok = (out.finish_reason or {}).get("type") != "abort"
+    except Exception:  # the client left: nobody reads the status
+        return Response(status_code=503)
+    ok = (res.last.finish_reason or {}).get("type") != "abort"
     return Response(status_code=200 if ok else 503)
 
 
 def _model_info(state: ServerState) -> dict[str, Any]:
-    args, cfg = state.args, state.engine.cfg
+    flat, cfg = state.args.flat(), state.engine.cfg
     return {
-        "model_path": args.model_path,
-        "tokenizer_path": None if args.skip_tokenizer_init else (args.tokenizer_path or args.model_path),
+        "model_path": flat["model_path"],
+        "tokenizer_path": None if flat["skip_tokenizer_init"] else flat["tokenizer_path"] or flat["model_path"],
         "is_generation": True,
         "preferred_sampling_params": None,
         "weight_version": "default",
@@ -74,29 +76,29 @@ async def get_model_info(request: Request) -> dict[str, Any]:
 
 
 def _server_info(state: ServerState, integrity_ok: bool | None = None) -> dict[str, Any]:
-    eng, args = state.engine, state.args
-    alloc, sched = eng.runner.allocator, eng.scheduler
-    used = alloc.used_size()
-    info: dict[str, Any] = dataclasses.asdict(args)
+    eng, args, st = state.engine, state.args, state.engine.stats()
+    info: dict[str, Any] = args.flat()
     if info.get("api_key"):
         info["api_key"] = "<redacted>"
-    status = "ready" if state.ready else ("starting" if state.async_engine.accepting else "shutting_down")
     metrics = state.metrics
     # the limits in force: --max-new-tokens-cap defaults to the context length
-    info["max_new_tokens_cap"] = args.max_new_tokens_cap if args.max_new_tokens_cap is not None else eng.context_len
+    if info["max_new_tokens_cap"] is None:
+        info["max_new_tokens_cap"] = eng.context_len
     info.update({
         "served_model_name": args.model_name,
         "context_len": eng.context_len,
-        "max_total_num_tokens": alloc.size,
-        "max_req_input_len": min(eng.context_len, alloc.size) - 1,
-        "status": status,
+        "max_total_num_tokens": st.max_total_tokens,
+        "max_req_input_len": min(eng.context_len, st.max_total_tokens) - 1,
+        "status": state.status(),
+        "dp_size": 1,
+        "captured_decode_batch_sizes": list(st.captured_batch_sizes),
         "internal_states": [{
             "last_gen_throughput": metrics.gen_throughput() if metrics is not None else None,
-            "num_running_reqs": len(sched.running),
-            "num_queue_reqs": len(sched.waiting),
-            "num_used_tokens": used,
-            "token_usage": used / alloc.size,
-            "memory_usage": {"kv_cache_bytes": eng.runner.pool.total_bytes()},
+            "num_running_reqs": st.num_running,
+            "num_queue_reqs": st.num_waiting,
+            "num_used_tokens": st.used_tokens,
+            "token_usage": st.token_usage,
+            "memory_usage": {"kv_cache_bytes": st.kv_cache_bytes},
             "num_in_flight": state.async_engine.num_in_flight(),
             "num_pending_outputs": state.async_engine.num_pending_outputs(),
             # KV slots: free + owned by requests + held by the prefix cache == pool size, none twice

@@ -5,17 +5,19 @@ Info, health, tokenizer and metrics routes live in `server.routes_admin`; this r
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from server.generate_inputs import plan_generate
-from server.generate_run import ClientGone, GenerationRun, SSEResponse
+from server.errors import sse_error
+from server.native import NativeShaper, plan_generate
 from server.protocol import AbortReq, GenerateReqInput
 from server.routes_admin import router as admin_router
 from server.state import ServerState
+from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -25,11 +27,14 @@ FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When th
            "requests, the operation will not be performed.)\n")
 NOT_FLUSHED = ("Cache not flushed.\nPlease check backend logs for more details. (When there are running or "
                "waiting requests, the operation will not be performed.)\n")
-CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by anyone
 
 
 def server_state(request: Request) -> ServerState:
     return request.app.state.server
+
+
+def sse(data: dict) -> str:
+    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
 
 
 @router.put("/generate", operation_id="generate_put")
@@ -38,17 +43,24 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     """Text or token ids in; one object (single prompt, n=1) or a list out; SSE with `stream`."""
     started = time.monotonic()
     state = server_state(request)
-    plan = plan_generate(body, state.engine, state.args)  # ValueError -> 400 before anything starts
-    run = GenerationRun(state, plan, started)
-    run.submit()  # EngineDeadError -> 503 while shutting down
+    args = state.args
+    plan = plan_generate(body, state.tokenizer, args.engine.max_new_tokens_cap)
+    sub = Submission(state.async_engine, plan.reqs, "/generate", started)  # 400 / 503 before anything starts
+    shaper = NativeShaper(plan, state.tokenizer, args.incremental_streaming_output, started)
     if plan.stream:
-        return SSEResponse(run.events(), on_close=run.close)
+        def frame(i, out):
+            body = shaper.frame(i, out, sub.joined[i])
+            return None if body is None else sse(body)
+
+        def error(status, message):
+            return sse_error("/generate", status, message)
+
+        return SSEResponse(sse_frames(sub, frame, error), sub)
     try:
-        bodies = await run.results(request)
+        joined = await sub.collect(request)
     except ClientGone:
         return Response(status_code=CLIENT_CLOSED)
-    finally:
-        run.close()  # aborts whatever did not finish (cancelled, client gone, server error)
+    bodies = [shaper.body(i, res) for i, res in enumerate(joined)]
     return JSONResponse(bodies[0] if plan.single else bodies)
 
 

@@ -23,7 +23,7 @@ def _engine(request: Request) -> Any:
 
 
 def _pool(request: Request) -> MiniMaxSparseKVPool:
-    return _engine(request).runner.pool
+    return _engine(request).pool
 
 
 def _layer_or_404(pool: MiniMaxSparseKVPool, layer_id: int) -> None:
@@ -36,18 +36,17 @@ def _layer_or_404(pool: MiniMaxSparseKVPool, layer_id: int) -> None:
 @router.get("/pools")
 async def pools(request: Request) -> dict[str, Any]:
     eng = _engine(request)
-    pool: MiniMaxSparseKVPool = eng.runner.pool
-    alloc = eng.runner.allocator
-    free = alloc.available_size()
+    pool: MiniMaxSparseKVPool = eng.pool
+    st = eng.stats()
     return {
         "pool_class": type(pool).__name__,
         "device": str(pool.device),
         "dtype": dtype_name(pool.dtype),
         "page_size": pool.page_size,
-        "size_tokens": alloc.size,
-        "used_tokens": alloc.size - free,
-        "free_tokens": free,
-        "evictable_tokens": eng.radix.evictable_size(),
+        "size_tokens": st.max_total_tokens,
+        "used_tokens": st.used_tokens,
+        "free_tokens": st.free_tokens,
+        "evictable_tokens": st.evictable_tokens,
         "bytes_per_token": pool.bytes_per_token(),
         "total_bytes": pool.total_bytes(),
         "sub_pools": pool.sub_pools_info(),

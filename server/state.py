@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.engine import Engine
-from engine.tokenizer import Tokenizer
+from engine.runtime.engine import Engine
+from engine.runtime.tokenizer import Tokenizer
 from server.args import ServerArgs
 from server.async_engine import AsyncEngine
 
@@ -19,7 +19,18 @@ class ServerState:
     async_engine: AsyncEngine
     metrics: Any = None  # server.metrics.Metrics when --enable-metrics
     started: float = field(default_factory=time.time)
-    ready: bool = False  # /health answers 503 until the engine thread runs, and again while draining
+    ready: bool = False  # the app runs; /health answers 503 before, and again while draining
+
+    @property
+    def healthy(self) -> bool:
+        return self.ready and self.async_engine.alive and not self.async_engine.warming
+
+    def status(self) -> str:
+        if not self.async_engine.accepting:
+            return "shutting_down"
+        if self.async_engine.warming:
+            return "warming_up"
+        return "ready" if self.healthy else "starting"
 
     @property
     def tokenizer(self) -> Tokenizer | None:

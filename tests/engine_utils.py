@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from engine.engine import Engine
-from engine.engine_args import EngineArgs
-from engine.request import LogprobOptions, RequestOutput
-from engine.sampling import SamplingParams
+from engine.runtime.engine import Engine
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.request import JoinedOutput, LogprobOptions, NewRequest
+from engine.runtime.sampling_params import SamplingParams
 
 TINY = str(Path(__file__).resolve().parents[1] / "configs" / "tiny")
 
@@ -20,21 +20,20 @@ def make_engine(**kw: Any) -> Engine:
 
 
 def submit(engine: Engine, prompt: list[int], logprob: LogprobOptions | None = None, **params: Any) -> list[str]:
-    return engine.add_request(prompt, SamplingParams.from_dict(params), logprob)
+    return engine.add_requests([NewRequest(prompt, SamplingParams.from_dict(params), logprob or LogprobOptions())])[0]
 
 
-def run_all(engine: Engine, check: bool = True) -> dict[str, RequestOutput]:
-    """Step until idle; returns each request's final output (integrity checked after every step)."""
-    final: dict[str, RequestOutput] = {}
+def run_all(engine: Engine, check: bool = True, joined: dict[str, JoinedOutput] | None = None) -> dict[str, JoinedOutput]:
+    """Step until idle; each request's joined outputs (integrity checked after every step)."""
+    joined = {} if joined is None else joined
     while engine.has_work():
         for out in engine.step():
-            if out.finished:
-                final[out.rid] = out
+            joined.setdefault(out.rid, JoinedOutput(out.rid)).add(out)
         if check:
             assert engine.check_integrity()
-    return final
+    return joined
 
 
-def solo(engine: Engine, prompt: list[int], logprob: LogprobOptions | None = None, **params: Any) -> RequestOutput:
+def solo(engine: Engine, prompt: list[int], logprob: LogprobOptions | None = None, **params: Any) -> JoinedOutput:
     (rid,) = submit(engine, prompt, logprob, **params)
     return run_all(engine, check=False)[rid]

@@ -40,10 +40,10 @@ class LiveServer:
         return self.proc.wait(timeout=timeout)
 
 
-def start_server(*args: str, log_dir: Path | None = None, wait: float = 90) -> LiveServer:
+def start_server(*args: str, log_dir: Path | None = None, wait: float = 90, module: str = "server") -> LiveServer:
     port = free_port()
     log = (log_dir or Path("/tmp")) / f"server-{port}.log"
-    cmd = [sys.executable, "-m", "server", "--port", str(port), *args]
+    cmd = [sys.executable, "-m", module, "--port", str(port), *args]
     if "--model-path" not in args:
         cmd += ["--model-path", TINY]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -64,8 +64,8 @@ def start_server(*args: str, log_dir: Path | None = None, wait: float = 90) -> L
 
 
 @contextmanager
-def live_server(*args: str, log_dir: Path | None = None) -> Iterator[LiveServer]:
-    srv = start_server(*args, log_dir=log_dir)
+def live_server(*args: str, log_dir: Path | None = None, module: str = "server") -> Iterator[LiveServer]:
+    srv = start_server(*args, log_dir=log_dir, module=module)
     try:
         yield srv
     finally:

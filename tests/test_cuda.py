@@ -16,25 +16,16 @@ PROMPT = list(range(30, 230))
 def test_greedy_tokens_and_logits_cpu_vs_cuda():
     cpu = make_engine(device="cpu", dtype="float32")
     gpu = make_engine(device="cuda")  # auto dtype: bfloat16
-    assert gpu.runner.dtype == torch.bfloat16
+    assert gpu.pool.dtype == torch.bfloat16
     params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
     want, got = solo(cpu, PROMPT, **params), solo(gpu, PROMPT, **params)
     # bf16 rounding can flip a near-tie later on; the first tokens must agree
     assert got.output_ids[:4] == want.output_ids[:4]
-    from engine.model_runner import ExtendItem
+    from engine.model.loader import load_model
+    from tests.forward_utils import PagedModel
 
-    def logits(engine):
-        r = engine.runner
-        row = r.req_to_token_pool.alloc(1)[0]
-        slots = r.allocator.alloc(len(PROMPT))
-        r.req_to_token_pool.write(row, 0, slots)
-        try:
-            return r.forward(r.build_batch([ExtendItem(row, 0, PROMPT)], slots)).float().cpu()
-        finally:
-            r.allocator.free(slots)
-            r.req_to_token_pool.free(row)
-
-    a, b = logits(cpu), logits(gpu)
+    a = PagedModel(load_model(TINY)).logits(PROMPT).float()
+    b = PagedModel(load_model(TINY, torch.bfloat16, "cuda")).logits(PROMPT).float().cpu()
     rel = ((a - b).norm(dim=-1) / a.norm(dim=-1)).max().item()
     assert rel < 0.05, f"relative logit error {rel} exceeds the bf16 tolerance"
 

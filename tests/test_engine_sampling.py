@@ -7,8 +7,8 @@ import torch
 from engine_utils import make_engine, run_all, solo, submit
 from hf_models import build_hf_model
 
-from engine.request import LogprobOptions
-from engine.sampling import SamplingParams
+from engine.runtime.request import LogprobOptions, NewRequest
+from engine.runtime.sampling_params import SamplingParams
 
 PROMPT = list(range(40, 90))
 GREEDY = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -27,7 +27,7 @@ def test_invalid_params_are_rejected_at_submission(engine):
             submit(engine, PROMPT, **bad)
         assert str(e.value) == msg
     with pytest.raises(ValueError, match="logprob_start_len"):
-        engine.add_request(PROMPT, SamplingParams(), LogprobOptions(True, logprob_start_len=len(PROMPT)))
+        engine.add_requests([NewRequest(PROMPT, SamplingParams(), LogprobOptions(True, logprob_start_len=len(PROMPT)))])
     with pytest.raises(ValueError, match="context length"):
         submit(engine, [7] * engine.context_len)
 

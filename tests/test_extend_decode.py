@@ -5,58 +5,28 @@ from __future__ import annotations
 import pytest
 import torch
 from orig_checkpoint import make_config, random_state_dict, write_checkpoint
-from test_parity_transformers import prompt_logits
+from test_parity_transformers import Ours, prompt_logits
 
-from engine.attention import (
+from engine.model.attention import (
     block_sparse_attention,
     blocked_rows,
     dense_attention,
     gathered_sparse_attention,
     masked_sparse_attention,
 )
-from engine.forward_batch import Segment
-from engine.indexer import select_blocks
-from engine.llm import LLM
-from engine.model_runner import ExtendItem
+from engine.model.forward_batch import Segment
+from engine.model.indexer import select_blocks
 
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
     cfg = make_config()
-    return LLM(write_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, random_state_dict(cfg, seed=11)),
-               max_total_tokens=2048, max_running_requests=8, skip_tokenizer_init=True)
+    return Ours(write_checkpoint(tmp_path_factory.mktemp("ckpt"), cfg, random_state_dict(cfg, seed=11)))
 
 
-def run_steps(llm: LLM, prompts: list[list[int]], chunk: int, prefix: int | None = None) -> list[torch.Tensor]:
-    """Feed each prompt through the pool `chunk` tokens per step (all prompts batched per step), or
-    one extend of `prefix` tokens followed by one-token decode steps; logits of every position."""
-    r = llm.runner
-    rows = r.req_to_token_pool.alloc(len(prompts))
-    done = [0] * len(prompts)
-    out: list[list[torch.Tensor]] = [[] for _ in prompts]
-    owned = []
-    while any(d < len(p) for d, p in zip(done, prompts)):
-        items, live = [], []
-        for i, p in enumerate(prompts):
-            if done[i] < len(p):
-                step = prefix if (prefix is not None and done[i] == 0) else (1 if prefix is not None else chunk)
-                items.append(ExtendItem(rows[i], done[i], p[done[i]:done[i] + step]))
-                live.append(i)
-        slots = r.allocator.alloc(sum(len(it.new_ids) for it in items))
-        owned.append(slots)
-        start = 0
-        for it in items:
-            r.req_to_token_pool.write(it.row, it.prefix_len, slots[start:start + len(it.new_ids)])
-            start += len(it.new_ids)
-        logits = r.forward(r.build_batch(items, slots))
-        start = 0
-        for i, it in zip(live, items):
-            out[i].append(logits[start:start + len(it.new_ids)])
-            start += len(it.new_ids)
-            done[i] += len(it.new_ids)
-    r.allocator.free(torch.cat(owned))
-    r.req_to_token_pool.free(rows)
-    return [torch.cat(o) for o in out]
+def run_steps(llm: Ours, prompts: list[list[int]], chunk: int, prefix: int | None = None) -> list[torch.Tensor]:
+    """Each prompt `chunk` tokens per step (all batched), or a `prefix` extend then decode steps."""
+    return llm.paged.run(prompts, chunk, prefix)
 
 
 def prompts() -> list[list[int]]:

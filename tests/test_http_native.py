@@ -262,7 +262,7 @@ def test_17_invalid_sampling_params_are_400_with_the_sglang_message(client, para
 def test_18_missing_input_empty_ids_and_duplicate_rids(client):
     cases = [({"sampling_params": {}}, "Either text, input_ids or input_embeds should be provided."),
              ({"input_ids": []}, "input_ids cannot be empty."),
-             ({"text": ["a", "b"], "rid": ["same", "same"]}, "Duplicate request ids"),
+             ({"text": ["a", "b"], "rid": ["same", "same"]}, "Duplicate request ID"),
              ({"text": ["a", "b"], "rid": ["only-one"]}, "should be equal to the batch size"),
              ({"text": "a", "input_ids": [1]}, "not both")]
     for body, message in cases:
@@ -490,20 +490,18 @@ def test_tokenize_and_detokenize_round_trip(client):
 
 
 # ---- server-side failures (in-process: the engine's fault hook is a test seam) ---------------------------
-def test_server_side_abort_is_http_500_or_an_error_frame_mid_stream():
+def test_server_side_abort_is_http_500_or_an_error_frame_mid_stream(monkeypatch):
     from fastapi.testclient import TestClient
 
+    from engine.runtime.engine import Engine
     from server.__main__ import build_state
     from server.app import create_app
     from server.args import parse_args
+    from tests.fault_server import inject
 
+    monkeypatch.setattr(Engine, "_accept", Engine._accept)  # restored after the test
+    inject("boom", 2, "simulated device failure")
     state = build_state(parse_args(["--max-total-tokens", "4096"]))
-
-    def fault(req) -> None:
-        if req.rid.startswith("boom") and len(req.output_ids) >= 2:
-            raise RuntimeError("simulated device failure")
-
-    state.engine.fault_hook = fault
     with TestClient(create_app(state)) as c:
         r = c.post("/generate", json={"text": "x", "rid": "boom1", "sampling_params": {"max_new_tokens": 8}})
         assert r.status_code == 500

@@ -11,16 +11,19 @@ import asyncio
 import itertools
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai
 import pytest
+from starlette.requests import ClientDisconnect
 
-from engine.request import RequestOutput
-from engine.tokenizer import Tokenizer
-from server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from server.openai_stream import Job, chat_stream, completion_stream
+from engine.runtime.request import RequestOutput
+from engine.runtime.tokenizer import Tokenizer
+from server.async_engine import Channel
+from server.errors import sse_error
+from server.submission import SSEResponse, Submission
+from server.submission import sse_frames as submission_frames
 from tests.server_utils import TINY, LiveServer, live_server
 
 PROMPT = "The capital of France is"
@@ -131,8 +134,13 @@ def test_completion_raw_shape(http: httpx.Client, tok: Tokenizer) -> None:
     assert r.status_code == 200, body
     assert set(body) == {"id", "object", "created", "model", "choices", "usage", "metadata"}
     assert body["model"] == "default" and body["metadata"] == {"weight_version": "default"}
-    assert body["usage"] == {"prompt_tokens": len(tok.encode(PROMPT)), "completion_tokens": 4, "total_tokens":
-                             len(tok.encode(PROMPT)) + 4, "prompt_tokens_details": None, "reasoning_tokens": 0}
+    usage = body["usage"]  # exactly OpenAI's fields
+    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
+                          "completion_tokens_details"}
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        len(tok.encode(PROMPT)), 4, len(tok.encode(PROMPT)) + 4)
+    assert set(usage["prompt_tokens_details"]) == {"cached_tokens"}
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
     choice = body["choices"][0]
     assert set(choice) == {"index", "text", "logprobs", "finish_reason", "matched_stop"}
     assert (choice["finish_reason"], choice["matched_stop"]) == ("length", None)
@@ -379,13 +387,13 @@ def test_frequency_penalty(oai: openai.OpenAI) -> None:
 
 # ---- disconnects abort -----------------------------------------------------------------------------------
 def _rid_frees_up(http: httpx.Client, rid: str, within: float = 5.0) -> bool:
-    """A rid can be reused once its request has ended (AsyncEngine refuses rids in flight)."""
+    """A rid can be reused once its request has ended (the engine refuses rids in flight)."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
         r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "rid": rid})
         if r.status_code == 200:
             return True
-        assert "already in use" in r.json()["message"]
+        assert "Duplicate request ID" in r.json()["message"]
         time.sleep(0.1)
     return False
 
@@ -407,77 +415,77 @@ def test_client_disconnect_aborts(server: LiveServer, http: httpx.Client, stream
 
 # ---- in-process: the stream machinery with a stand-in engine -----------------------------------------
 class _FakeEngine:
-    """Stands in for AsyncEngine: scripted outputs per rid; records abandoned readers and aborts."""
+    """Stands in for AsyncEngine: queues scripted outputs on a real Channel; records aborts."""
 
-    def __init__(self, script: dict[str, list[RequestOutput]], hang: bool = False) -> None:
-        self.script, self.hang = script, hang
-        self.closed: list[str] = []
+    def __init__(self, script: list[RequestOutput], rids: list[str]) -> None:
+        self.script, self.rids = script, rids
         self.aborted: list[str] = []
 
-    async def stream(self, rid: str) -> AsyncIterator[RequestOutput]:
-        finished = False
-        try:
-            for out in self.script[rid]:
-                finished = out.finished
-                yield out
-            if self.hang:
-                await asyncio.sleep(3600)
-        finally:
-            if not finished:
-                self.closed.append(rid)
+    def submit(self, reqs):
+        channel = Channel()
+        for out in self.script:
+            channel.put_nowait(self.rids.index(out.rid), out)
+        return list(self.rids), channel
 
     def abort(self, rid: str) -> None:
         self.aborted.append(rid)
 
 
 def _out(rid: str, ids: list[int], text: str, reason: dict | None) -> RequestOutput:
-    return RequestOutput(rid=rid, new_ids=ids[-1:], output_ids=ids, text=text, finished=reason is not None,
-                         finish_reason=reason, prompt_tokens=3, cached_tokens=0, logprobs=None)
+    return RequestOutput(rid=rid, new_ids=ids, new_text=text, logprobs=None, completion_tokens=len(ids),
+                         prompt_tokens=3, cached_tokens=0, finished=reason is not None, finish_reason=reason)
 
 
-def _job(fake: _FakeEngine, rids: list[str], n: int) -> Job:
-    return Job(ae=fake, id="j", created=1, model="m", rids=rids, n=n, prompt_lens=[3],  # type: ignore[arg-type]
-               streams=[fake.stream(r) for r in rids])
+def _frames(sub: Submission, path: str = "/v1/chat/completions"):
+    return submission_frames(sub, lambda i, out: f"data: {json.dumps({'i': i, 'text': out.new_text})}\n\n",
+                      lambda status, message: sse_error(path, status, message))
 
 
-def test_stream_error_after_start_is_an_error_event(tok: Tokenizer) -> None:
+def test_stream_error_after_start_is_an_error_event() -> None:
     fail = {"type": "abort", "message": "internal error in the engine: boom", "status_code": 500}
-    fake = _FakeEngine({"a": [_out("a", [5], "x", None), _out("a", [5], "x", fail)]})
-    resp = chat_stream(tok, _job(fake, ["a"], 1), ChatCompletionRequest(messages=CHAT, stream=True))
+    fake = _FakeEngine([_out("a", [5], "x", None), _out("a", [], "", fail)], ["a"])
+    sub = Submission(fake, [], "/v1/chat/completions")  # type: ignore[arg-type]
 
     async def drain() -> list[str]:
-        return [f async for f in resp.body_iterator]  # type: ignore[misc]
+        return [f async for f in _frames(sub)]
 
     frames = asyncio.run(drain())
     assert frames[-1] == "data: [DONE]\n\n"
     err = json.loads(frames[-2][len("data: "):])
     assert err == {"error": {"message": "internal error in the engine: boom", "type": "InternalServerError",
                              "param": None, "code": 500}}
-    assert json.loads(frames[1][len("data: "):])["choices"][0]["delta"] == {"content": "x"}
+    assert json.loads(frames[0][len("data: "):]) == {"i": 0, "text": "x"}
+    assert sub.joined[0].text == "x" and sub.joined[0].finished
 
 
-def test_closing_a_stream_aborts_unfinished_samples(tok: Tokenizer) -> None:
+def test_closing_a_stream_aborts_unfinished_samples() -> None:
     done = {"type": "length", "length": 1}
-    fake = _FakeEngine({"r_0": [_out("r_0", [5], "x", done)], "r_1": [_out("r_1", [6], "y", None)]}, hang=True)
-    resp = completion_stream(tok, _job(fake, ["r_0", "r_1"], 2), CompletionRequest(prompt="p", stream=True))
+    fake = _FakeEngine([_out("r_0", [5], "x", done), _out("r_1", [6], "y", None)], ["r_0", "r_1"])
+    sub = Submission(fake, [], "/v1/completions")  # type: ignore[arg-type]
+    resp = SSEResponse(_frames(sub, "/v1/completions"), sub)
 
     async def read_then_close() -> None:
         frames = resp.body_iterator
         for _ in range(2):
             await anext(frames)  # type: ignore[call-overload]
-        await frames.aclose()  # type: ignore[attr-defined]  # what EventStreamResponse does on disconnect
+        await frames.aclose()  # type: ignore[attr-defined]
+        sub.close()  # what SSEResponse does once the client is gone
 
     asyncio.run(read_then_close())
-    assert fake.closed == ["r_1"] and fake.aborted == ["r_1"]
+    assert fake.aborted == ["r_1"]
 
 
-def test_client_gone_before_first_frame_aborts_all(tok: Tokenizer) -> None:
-    fake = _FakeEngine({"a": [_out("a", [5], "x", None)]}, hang=True)
-    resp = completion_stream(tok, _job(fake, ["a"], 1), CompletionRequest(prompt="p", stream=True))
+def test_client_gone_before_first_frame_aborts_all() -> None:
+    fake = _FakeEngine([], ["a"])
+    sub = Submission(fake, [], "/v1/completions")  # type: ignore[arg-type]
+    resp = SSEResponse(_frames(sub, "/v1/completions"), sub)
+
+    async def receive() -> dict:
+        return {"type": "http.disconnect"}
 
     async def send(message: dict) -> None:
         raise OSError("client went away")
 
-    with pytest.raises(OSError):
-        asyncio.run(resp.stream_response(send))
-    assert fake.aborted == ["a"]  # the reader never started, so only on_close could abort it
+    with pytest.raises((OSError, ClientDisconnect)):
+        asyncio.run(resp({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
+    assert fake.aborted == ["a"]  # no frame was ever produced, so only the response's close could abort it

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.indexer import block_scores, select_blocks, select_one_query
+from engine.model.indexer import block_scores, select_blocks, select_one_query
 
 
 @pytest.mark.parametrize("n,t,block", [(37, 37, 4), (100, 9, 16), (64, 1, 8), (5, 5, 8)])

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 import torch
 
-from engine.config import load_config
-from engine.layers import MoE, Rotary, apply_rope, rope_inv_freq
-from engine.linear import cpu_layout
+from engine.model.config import load_config
+from engine.model.layers import MoE, Rotary, apply_rope, rope_inv_freq
+from engine.model.linear import cpu_layout
 from tests.engine_utils import TINY
 
 

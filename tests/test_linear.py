@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.linear import SPLIT_MAX_ROWS, cpu_layout, linear, split_count
-from engine.loader import load_model
+from engine.model.linear import SPLIT_MAX_ROWS, cpu_layout, linear, split_count
+from engine.model.loader import load_model
 from tests.engine_utils import TINY
 
 

@@ -7,28 +7,33 @@ import pytest
 import torch
 from hf_models import HF_CONFIGS, build_hf_model, to_original_layout
 
-from engine.llm import LLM
-from engine.model_runner import ExtendItem
+from engine.model.loader import load_model
+from engine.runtime.llm import LLM
+from tests.forward_utils import PagedModel
 
 
-def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+class Ours:
+    """The engine (generate) and the same checkpoint stepped by hand (logits at every position)."""
+
+    def __init__(self, path) -> None:
+        self.llm = LLM(path, max_total_tokens=2048, max_running_requests=8, skip_tokenizer_init=True)
+        self.cfg = self.llm.cfg
+        self.paged = PagedModel(load_model(path))
+
+    def generate(self, *a, **kw):
+        return self.llm.generate(*a, **kw)
+
+
+def prompt_logits(ours: Ours, ids: list[int]) -> torch.Tensor:
     """Our logits at every position of one prompt, through the pools."""
-    r = llm.runner
-    row = r.req_to_token_pool.alloc(1)[0]
-    slots = r.allocator.alloc(len(ids))
-    r.req_to_token_pool.write(row, 0, slots)
-    try:
-        return r.forward(r.build_batch([ExtendItem(row, 0, ids)], slots))
-    finally:
-        r.allocator.free(slots)
-        r.req_to_token_pool.free(row)
+    return ours.paged.logits(ids)
 
 
 @pytest.fixture(scope="module", params=list(HF_CONFIGS))
 def pair(request, tmp_path_factory):
     d = tmp_path_factory.mktemp(request.param)
     hf = build_hf_model(request.param, d)
-    return request.param, d, hf, LLM(d, max_total_tokens=2048, max_running_requests=8, skip_tokenizer_init=True)
+    return request.param, d, hf, Ours(d)
 
 
 def lengths(block: int) -> list[int]:
@@ -62,14 +67,15 @@ def test_batch_gives_each_prompt_its_solo_tokens(pair):
     solo = [llm.generate([p], params)[0]["output_ids"] for p in prompts]
     batch = [o["output_ids"] for o in llm.generate(prompts, params)]
     assert batch == solo
-    assert llm.engine.check_integrity()
-    assert llm.runner.allocator.available_size() + llm.engine.radix.total_size() == 2048  # every slot came back
+    assert llm.llm.engine.check_integrity()
+    st = llm.llm.engine.stats()
+    assert st.free_tokens + st.cached_tokens == 2048 and st.num_running == 0  # every slot came back
 
 
 def test_original_layout_gives_identical_logits(pair, tmp_path):
     name, native_dir, _, llm = pair
     to_original_layout(native_dir, tmp_path)
-    orig = LLM(tmp_path, max_total_tokens=2048, max_running_requests=8, skip_tokenizer_init=True)
+    orig = Ours(tmp_path)
     assert orig.cfg.shape == "minimax" and llm.cfg.shape == "transformers"
     assert orig.cfg.layer_kinds == llm.cfg.layer_kinds and orig.cfg.rotary_dim == llm.cfg.rotary_dim
     ids = random_ids(50, 7)

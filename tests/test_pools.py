@@ -34,13 +34,13 @@ KINDS = [
     "sparse_k_only",
 ]
 H, D, DI = 2, 32, 32
-SIZE, PAGE = 64, 1
-ROWS = SIZE + PAGE
+SIZE = 64
+ROWS = SIZE + 1  # row 0 is the padding slot
 
 
 @pytest.fixture
 def pool() -> MiniMaxSparseKVPool:
-    return MiniMaxSparseKVPool(SIZE, PAGE, torch.float32, KINDS, H, D, DI)
+    return MiniMaxSparseKVPool(SIZE, torch.float32, KINDS, H, D, DI)
 
 
 def all_tensors(p: MiniMaxSparseKVPool) -> dict[str, torch.Tensor]:
@@ -55,7 +55,7 @@ def all_tensors(p: MiniMaxSparseKVPool) -> dict[str, torch.Tensor]:
 
 def test_layer_kinds_buffers_and_locations(pool: MiniMaxSparseKVPool) -> None:
     assert pool.check_integrity()
-    assert pool.num_layers == 8 and pool.size == SIZE and pool.page_size == PAGE
+    assert pool.num_layers == 8 and pool.size == SIZE and pool.page_size == 1
     expected_index = {2: ("index_kv_pool", 0), 3: ("index_k_pool", 0), 4: ("index_kv_pool", 1),
                       5: ("index_k_pool", 1), 6: ("index_kv_pool", 2), 7: ("index_k_pool", 2)}  # fmt: skip
     for layer, kind in enumerate(KINDS):
@@ -174,10 +174,10 @@ def test_bytes_per_token_matches_model_md_formula(pool: MiniMaxSparseKVPool) -> 
 def test_k_only_sub_pool_holds_only_k(pool: MiniMaxSparseKVPool) -> None:
     sub = pool.index_k_pool
     assert sub is not None and not hasattr(sub, "v_buffer")
-    assert sub.total_bytes() == (SIZE + PAGE) * 1 * DI * 4 * 3
+    assert sub.total_bytes() == ROWS * 1 * DI * 4 * 3
     assert sub.bytes_per_token() == 3 * DI * 4
     assert (
-        pool.index_kv_pool is not None and pool.index_kv_pool.total_bytes() == 2 * (SIZE + PAGE) * DI * 4 * 3
+        pool.index_kv_pool is not None and pool.index_kv_pool.total_bytes() == 2 * ROWS * DI * 4 * 3
     )
 
 
@@ -217,7 +217,7 @@ def test_set_get_round_trips_touch_only_their_rows(pool: MiniMaxSparseKVPool) ->
 
 
 def test_no_sparse_layers_means_no_index_pools() -> None:
-    p = MiniMaxSparseKVPool(16, 1, torch.float32, ["dense"] * 3, H, D, DI)
+    p = MiniMaxSparseKVPool(16, torch.float32, ["dense"] * 3, H, D, DI)
     assert p.index_kv_pool is None and p.index_k_pool is None and p.check_integrity()
     assert [s["name"] for s in p.sub_pools_info()] == ["main_pool"]
     assert not any(p.has_buffer(i, b) for i in range(3) for b in ("index_key", "index_value"))
@@ -232,20 +232,19 @@ def test_no_sparse_layers_means_no_index_pools() -> None:
 
 def test_size_for_budget() -> None:
     per_token = MiniMaxSparseKVPool.bytes_per_token_for(KINDS, H, D, DI, torch.float32)
-    for page in (1, 4):
-        budget = 1000 * per_token + 123
-        size = MiniMaxSparseKVPool.size_for_budget(budget, page, KINDS, H, D, DI, torch.float32)
-        assert size % page == 0 and (size + page) * per_token <= budget < (size + 2 * page) * per_token
-        assert MiniMaxSparseKVPool(size, page, torch.float32, KINDS, H, D, DI).total_bytes() <= budget
-    assert MiniMaxSparseKVPool.size_for_budget(1000 * per_token, 1, KINDS, H, D, DI, torch.float32) == 999
-    with pytest.raises(ValueError, match="no usable page"):
-        MiniMaxSparseKVPool.size_for_budget(per_token, 1, KINDS, H, D, DI, torch.float32)
+    budget = 1000 * per_token + 123
+    size = MiniMaxSparseKVPool.size_for_budget(budget, KINDS, H, D, DI, torch.float32)
+    assert (size + 1) * per_token <= budget < (size + 2) * per_token
+    assert MiniMaxSparseKVPool(size, torch.float32, KINDS, H, D, DI).total_bytes() <= budget
+    assert MiniMaxSparseKVPool.size_for_budget(1000 * per_token, KINDS, H, D, DI, torch.float32) == 999
+    with pytest.raises(ValueError, match="no usable slot"):
+        MiniMaxSparseKVPool.size_for_budget(per_token, KINDS, H, D, DI, torch.float32)
 
 
 def test_mha_pools_basics() -> None:
-    kv = MHATokenToKVPool(8, 2, torch.bfloat16, 2, 4, 3, name="p", global_layer_ids=[1, 4, 6])
-    assert kv.buffer_shape == (10, 2, 4) and kv.has_value_buffer is True
-    assert kv.bytes_per_token() == 3 * 2 * 2 * 4 * 2 and kv.total_bytes() == 10 * kv.bytes_per_token()
+    kv = MHATokenToKVPool(8, torch.bfloat16, 2, 4, 3, name="p", global_layer_ids=[1, 4, 6])
+    assert kv.buffer_shape == (9, 2, 4) and kv.has_value_buffer is True
+    assert kv.bytes_per_token() == 3 * 2 * 2 * 4 * 2 and kv.total_bytes() == 9 * kv.bytes_per_token()
     kv.set_kv_buffer(2, torch.tensor([3]), torch.ones(1, 2, 4), torch.full((1, 8), 2.0))  # flat [n, H*D] ok
     assert kv.get_key_buffer(2).dtype == torch.bfloat16 and float(kv.get_value_buffer(2)[3].sum()) == 16.0
     with pytest.raises(ValueError, match="does not fit"):
@@ -253,7 +252,7 @@ def test_mha_pools_basics() -> None:
     with pytest.raises(LayerIdError, match=r"\[1, 4, 6\]"):
         kv.get_key_buffer(3)
     with pytest.raises(ValueError, match="global_layer_ids"):
-        MHATokenToKOnlyPool(8, 1, torch.float32, 1, 4, 2, global_layer_ids=[1])
+        MHATokenToKOnlyPool(8, torch.float32, 1, 4, 2, global_layer_ids=[1])
 
 
 def test_check_integrity_detects_corruption(pool: MiniMaxSparseKVPool) -> None:
@@ -265,23 +264,22 @@ def test_check_integrity_detects_corruption(pool: MiniMaxSparseKVPool) -> None:
     with pytest.raises(AssertionError, match="layer 3"):
         pool.check_integrity()
     alloc = TokenSlotAllocator(8)
-    alloc._free_pages = torch.cat([alloc._free_pages, alloc._free_pages[:1]])
+    alloc._free = torch.cat([alloc._free, alloc._free[:1]])
     with pytest.raises(AssertionError, match="duplicate"):
         alloc.check_integrity()
 
 
-@pytest.mark.parametrize("page", [1, 4])
-def test_allocator_random_alloc_free(page: int) -> None:
+def test_allocator_random_alloc_free() -> None:
     size = 256
-    alloc = TokenSlotAllocator(size, page)
-    rng = random.Random(1234 + page)
+    alloc = TokenSlotAllocator(size)
+    rng = random.Random(1234)
     live: list[torch.Tensor] = []
-    owned = torch.zeros(size + page, dtype=torch.bool)  # slots (incl. page tails) owned by live allocations
+    owned = torch.zeros(size + 1, dtype=torch.bool)  # slots owned by live allocations
     for _ in range(3000):
         if live and (rng.random() < 0.45 or not alloc.can_alloc(1)):
             slots = live.pop(rng.randrange(len(live)))
             alloc.free(slots)
-            owned[_page_slots(slots, page)] = False
+            owned[slots] = False
         else:
             n = rng.randint(0, 20)
             if not alloc.can_alloc(n):
@@ -290,30 +288,24 @@ def test_allocator_random_alloc_free(page: int) -> None:
                 continue
             slots = alloc.alloc(n)
             assert slots.dtype == torch.int64 and slots.numel() == n
-            assert bool((slots >= page).all()), "padding page handed out"
-            full = _page_slots(slots, page)
-            assert not bool(owned[full].any()), "slot handed out twice"
-            owned[full] = True
+            assert bool((slots >= 1).all()), "padding slot handed out"
+            assert not bool(owned[slots].any()), "slot handed out twice"
+            owned[slots] = True
             live.append(slots)
         assert alloc.check_integrity()
         assert alloc.available_size() + alloc.used_size() == size
         assert alloc.used_size() == int(owned.sum())
-    if live:
-        victim = next(s for s in live if s.numel())
+    victim = next(s for s in live if s.numel())
+    alloc.free(victim)
+    with pytest.raises(ValueError, match=f"slot {int(victim[0])}"):
         alloc.free(victim)
-        with pytest.raises(ValueError, match=f"slot {int(victim[0])}"):
-            alloc.free(victim)
-    with pytest.raises(ValueError, match="padding page"):
+    with pytest.raises(ValueError, match="padding slot"):
         alloc.free(torch.tensor([0]))
+    taken = alloc.alloc(1)
     with pytest.raises(ValueError, match="given twice"):
-        alloc.free(torch.tensor([page + 1, page + 1]))
+        alloc.free(torch.cat([taken, taken]))
     alloc.clear()
     assert alloc.available_size() == size and alloc.check_integrity()
-
-
-def _page_slots(slots: torch.Tensor, page: int) -> torch.Tensor:
-    pages = torch.unique(slots // page)
-    return (pages[:, None] * page + torch.arange(page)).reshape(-1)
 
 
 def test_req_to_token_pool() -> None:

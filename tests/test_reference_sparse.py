@@ -7,9 +7,7 @@ import pytest
 import torch
 from naive_reference import naive_logits
 from orig_checkpoint import make_config, random_state_dict, write_checkpoint
-from test_parity_transformers import prompt_logits
-
-from engine.llm import LLM
+from test_parity_transformers import Ours, prompt_logits
 
 VARIANTS = {
     "init1_local1_k3_b4": {},
@@ -23,7 +21,7 @@ def model(request, tmp_path_factory):
     cfg = make_config(**VARIANTS[request.param])
     sd = random_state_dict(cfg, seed=3)
     d = write_checkpoint(tmp_path_factory.mktemp(request.param), cfg, sd)
-    llm = LLM(d, max_total_tokens=1024, max_running_requests=4, skip_tokenizer_init=True)
+    llm = Ours(d)
     assert llm.cfg.layer_kinds == ("dense", "sparse_index_kv", "sparse_k_only", "sparse_index_kv")
     return cfg, sd, llm
 

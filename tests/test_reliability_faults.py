@@ -3,7 +3,7 @@
 
 Scenarios: streaming clients killed mid-stream; slow readers that stop reading; aborts of queued and
 running requests and abort_all under mixed load; a KV pool far too small for the load; an exception
-inside the engine for some requests (the test hook MINIMAX_TEST_FAULT_RID_PREFIX); SIGTERM under load.
+inside the engine for some requests (injected by the test-only wrapper tests/fault_server.py); SIGTERM under load.
 """
 
 from __future__ import annotations
@@ -38,12 +38,12 @@ FAULT_PREFIX, FAULT_AFTER = "boom", 3
 
 @pytest.fixture(scope="module")
 def srv():
-    env = {"MINIMAX_TEST_FAULT_RID_PREFIX": FAULT_PREFIX, "MINIMAX_TEST_FAULT_AFTER_TOKENS": str(FAULT_AFTER)}
+    env = {"FAULT_RID_PREFIX": FAULT_PREFIX, "FAULT_AFTER_TOKENS": str(FAULT_AFTER)}
     with pytest.MonkeyPatch.context() as mp:
         for k, v in env.items():
             mp.setenv(k, v)
         with live_server("--max-running-requests", str(MAX_RUNNING), "--max-total-tokens", "30000",
-                         "--context-length", "4096", "--shutdown-grace-period", "2") as s:
+                         "--context-length", "4096", "--shutdown-grace-period", "2", module="tests.fault_server") as s:
             yield s
 
 

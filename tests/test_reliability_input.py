@@ -147,7 +147,7 @@ CASES = [
      "--max-new-tokens-cap"),
     (G, raw(b'{"text":"a","sampling_params":{"max_new_tokens":1e400}}'), 400, "max_new_tokens must be an integer"),
     (G, raw(b'{"text":"a","sampling_params":{"sampling_seed":1e300}}'), 400, "sampling_seed must be in"),
-    (G, raw(b'{"text":"a","sampling_params":{"n":100000000000000000000}}'), 400, "--max-batch-size"),
+    (G, raw(b'{"text":"a","sampling_params":{"n":100000000000000000000}}'), 400, "n must be in [1, 128]"),
     (G, raw(b'{"text":"a","return_logprob":true,"logprob_start_len":100000000000000000000}'), 400,
      "is higher than the number of input tokens"),
     (C, raw(b'{"prompt":"a","temperature":NaN}'), 400, "temperature must be a non-negative finite number"),

@@ -10,7 +10,8 @@ from dataclasses import fields
 import pytest
 import torch
 
-from engine.sampling import Sampler, SamplingParams
+from engine.runtime.sampler import Sampler
+from engine.runtime.sampling_params import SamplingParams
 
 V = 1000
 

@@ -228,7 +228,9 @@ def test_request_fields_naming_files_are_ignored_or_refused(plain, tmp_path):
     assert r.status_code == 400 and "input_embeds is not supported" in r.json()["error"]["message"]
     msgs = [{"role": "user", "content": "hello"}]
     plain_chat = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0})
-    for extra in ({"model": "/etc/passwd"}, {"chat_template": "{{ raise_exception('x') }}"},
+    r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "model": "/etc/passwd"})
+    assert r.status_code == 404 and "root:" not in r.text  # an unknown model is refused, never opened
+    for extra in ({"chat_template": "{{ raise_exception('x') }}"},
                   {"chat_template_kwargs": {"bos_token": "", "template": "/etc/passwd"}}, PATH_FIELDS):
         r = c.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 6, "temperature": 0, **extra})
         assert r.status_code == 200, (extra, r.text)

@@ -7,19 +7,26 @@ import random
 from pathlib import Path
 
 import pytest
+import torch
 
-from engine.config import load_config
-from engine.llm import LLM
-from engine.loader import load_model
-from engine.model_runner import ModelRunner
-from mem_cache import KOnlyPoolError
+from engine.model.config import load_config
+from engine.model.loader import load_model
+from engine.runtime.llm import LLM
+from mem_cache import KOnlyPoolError, KVCacheManager, MiniMaxSparseKVPool
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny"
 
 
+class Pools:
+    def __init__(self) -> None:
+        self.cfg = c = load_config(TINY)
+        self.pool = MiniMaxSparseKVPool(512, torch.float32, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
+                                        c.index_head_dim)
+
+
 @pytest.fixture(scope="module")
 def runner():
-    return ModelRunner(load_model(TINY), max_total_tokens=512, max_running_requests=4, context_len=512)
+    return Pools()
 
 
 def test_config_has_all_three_kinds_and_moe():
@@ -70,25 +77,28 @@ def test_bytes_per_token_equal_model_md(runner):
                 "sparse_k_only": 2 * c.num_kv_heads * c.head_dim + c.index_head_dim}
     assert pool.bytes_per_token() == 4 * sum(per_kind[k] for k in c.layer_kinds)
     assert pool.bytes_per_token_by_kind() == {k: 4 * v for k, v in per_kind.items()}
-    rows = pool.size + pool.page_size
+    rows = pool.size + 1
     n_k_only = c.layer_kinds.count("sparse_k_only")
     assert pool.index_k_pool.total_bytes() == n_k_only * rows * c.index_head_dim * 4  # no V tensor at all
     assert pool.total_bytes() == rows * pool.bytes_per_token()
 
 
-def test_random_alloc_free_keeps_integrity(runner):
+def test_random_admit_allocate_release_keeps_integrity(runner):
     rng = random.Random(0)
-    alloc, held = runner.allocator, []
+    kv, held = KVCacheManager(512, 8, 512), []
     for _ in range(500):
-        if held and (rng.random() < 0.45 or not alloc.can_alloc(40)):
-            alloc.free(held.pop(rng.randrange(len(held))))
+        if held and (rng.random() < 0.45 or not kv.can_admit() or not kv.can_allocate(40)):
+            r = held.pop(rng.randrange(len(held)))
+            kv.release(r, [7] * r.num_computed)  # identical token ids: the prefix cache dedups them
         else:
-            held.append(alloc.alloc(rng.randint(1, 40)))
-        assert alloc.check_integrity() and runner.pool.check_integrity()
-        assert alloc.available_size() + sum(len(h) for h in held) == 512
-    for h in held:
-        alloc.free(h)
-    assert alloc.available_size() == 512
+            r = kv.admit([])
+            kv.allocate([(r, rng.randint(1, 40))])
+            held.append(r)
+        assert kv.check_integrity() and runner.pool.check_integrity()
+        assert kv.free_slots() + kv.cached_slots() + sum(r.num_computed - r.cached for r in held) == 512
+    for r in held:
+        kv.release(r, [7] * r.num_computed)
+    assert kv.flush() and kv.free_slots() == 512
 
 
 def test_serves_text_out_of_the_box():
@@ -99,4 +109,4 @@ def test_serves_text_out_of_the_box():
                                           for s in (1, 1)])
     assert sampled[0]["output_ids"] == sampled[1]["output_ids"]
     assert llm.engine.check_integrity() and llm.engine.flush_cache()
-    assert llm.runner.allocator.available_size() == 1024
+    assert llm.engine.stats().free_tokens == 1024

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
+from engine.runtime.tokenizer import ChatTemplateError, IncrementalDetokenizer, Tokenizer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny"

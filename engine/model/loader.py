@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.config import ModelConfig, load_config
-from engine.linear import cpu_layout
-from engine.model import MiniMaxM3Model
-from engine.weight_names import recipes
+from engine.model.config import ModelConfig, load_config
+from engine.model.linear import cpu_layout
+from engine.model.model import MiniMaxM3Model
+from engine.model.weight_names import recipes
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +142,6 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
         logger.info("loaded weights from %s", model_dir)
     else:
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
-    model.dummy_weights = load_format == "dummy" or not has_weights
     model = cast_model(model, dtype, device).eval()
     model.finalize(threads=torch.get_num_threads() if torch.device(device).type == "cpu" else 1)
     return model

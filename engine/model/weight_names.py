@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import ModelConfig
+from engine.model.config import ModelConfig
 
 Shape = tuple[int, ...]
 

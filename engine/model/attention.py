@@ -12,9 +12,9 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch, Segment, additive_mask
-from engine.indexer import block_scores, select_blocks, select_one_query
+from engine.model.config import ModelConfig
+from engine.model.forward_batch import ForwardBatch, Segment, additive_mask
+from engine.model.indexer import block_scores, select_blocks, select_one_query
 from mem_cache import MiniMaxSparseKVPool
 
 

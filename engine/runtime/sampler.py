@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine.sampling_params import SamplingParams
+from engine.runtime.sampling_params import SamplingParams
 
 
 def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.device) -> torch.Tensor:

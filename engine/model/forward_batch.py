@@ -149,13 +149,21 @@ class ForwardBatch:
         if not self.segments:
             self.segments = self._build_segments()
 
+    @classmethod
+    def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,
+              req_to_token: torch.Tensor, device: torch.device) -> ForwardBatch:
+        """Request i (table row rows[i]) feeds new_ids[i] at positions prefix_lens[i]...; the new tokens'
+        slots (`out_cache_loc`) are already written into the table."""
+        ids = [t for x in new_ids for t in x]
+        positions = [p for p0, x in zip(prefix_lens, new_ids) for p in range(p0, p0 + len(x))]
+        return cls(torch.tensor(ids, dtype=torch.int64, device=device),
+                   torch.tensor(positions, dtype=torch.int64, device=device),
+                   out_cache_loc.to(device, torch.int64), list(rows), list(prefix_lens), [len(x) for x in new_ids],
+                   req_to_token)
+
     @property
     def is_decode(self) -> bool:
         return all(e == 1 for e in self.extend_lens)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.req_pool_indices)
 
     @property
     def seq_lens(self) -> list[int]:

@@ -1,4 +1,4 @@
-"""Build what an engine needs from EngineArgs: device and dtype, model, tokenizer, pools, prefix cache."""
+"""Build what an engine needs from EngineArgs: device and dtype, model, tokenizer, KV pool and manager."""
 
 from __future__ import annotations
 
@@ -8,13 +8,12 @@ from pathlib import Path
 
 import torch
 
-from engine.config import load_config
-from engine.engine_args import EngineArgs
-from engine.loader import load_model
-from engine.model import MiniMaxM3Model
-from engine.model_runner import ModelRunner
-from engine.tokenizer import Tokenizer
-from mem_cache import MiniMaxSparseKVPool, RadixCache
+from engine.model.config import load_config
+from engine.model.loader import load_model
+from engine.model.model import MiniMaxM3Model
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.tokenizer import Tokenizer
+from mem_cache import KVCacheManager, MiniMaxSparseKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +25,8 @@ CPU_KV_BYTES = 512 << 20
 class Components:
     model: MiniMaxM3Model
     tokenizer: Tokenizer | None
-    runner: ModelRunner
-    radix: RadixCache
+    pool: MiniMaxSparseKVPool
+    kv: KVCacheManager
     context_len: int
 
 
@@ -69,8 +68,8 @@ def kv_pool_tokens(args: EngineArgs, model: MiniMaxM3Model, dtype: torch.dtype, 
         budget = int(free * args.mem_fraction_static)
     budget = budget or CPU_KV_BYTES
     c = model.cfg
-    return MiniMaxSparseKVPool.size_for_budget(budget, args.page_size, list(c.layer_kinds), c.num_kv_heads,
-                                               c.head_dim, c.index_head_dim, dtype)
+    return MiniMaxSparseKVPool.size_for_budget(budget, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
+                                               c.index_head_dim, dtype)
 
 
 def build_components(args: EngineArgs) -> Components:
@@ -81,8 +80,9 @@ def build_components(args: EngineArgs) -> Components:
     model = load_model(args.model_path, dtype, device, args.load_format, args.random_seed, cfg=cfg)
     context_len = args.context_length or cfg.max_position_embeddings
     size = kv_pool_tokens(args, model, dtype, device)
-    runner = ModelRunner(model, size, args.max_running_requests, context_len, args.page_size)
-    radix = RadixCache(runner.allocator, args.page_size, disable=args.disable_radix_cache)
+    pool = MiniMaxSparseKVPool(size, dtype, list(cfg.layer_kinds), cfg.num_kv_heads, cfg.head_dim,
+                               cfg.index_head_dim, device)
+    kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache)
     logger.info("model %s on %s/%s: %d layers %s, KV pool %d tokens (%.1f MiB)", args.model_path, device,
-                str(dtype).removeprefix("torch."), cfg.num_layers, cfg.layer_kinds, size, runner.pool.total_bytes() / 2**20)
-    return Components(model, tokenizer, runner, radix, context_len)
+                str(dtype).removeprefix("torch."), cfg.num_layers, cfg.layer_kinds, size, pool.total_bytes() / 2**20)
+    return Components(model, tokenizer, pool, kv, context_len)

@@ -22,6 +22,10 @@ class EngineArgs:
     page_size: int = 1
     disable_radix_cache: bool = False
     random_seed: int = 0
+    max_new_tokens_cap: int | None = None  # upper bound on any request's max_new_tokens (None: the context length)
+    disable_cuda_graph: bool = False  # decode eager instead of as captured graphs (inductor on CPU)
+    cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests, capped)
+    cuda_graph_bs: list[int] | None = None  # the batch-size buckets (None: derived from cuda_graph_max_bs)
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -34,3 +38,8 @@ class EngineArgs:
             raise ValueError(f"max_total_tokens must be at least 2, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_new_tokens_cap is not None and self.max_new_tokens_cap < 1:
+            raise ValueError(f"max_new_tokens_cap must be at least 1, got {self.max_new_tokens_cap}")
+        for bs in self.cuda_graph_bs or ():
+            if bs < 1:
+                raise ValueError(f"cuda_graph_bs entries must be at least 1, got {bs}")

@@ -8,10 +8,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from engine.engine import Engine
-from engine.engine_args import EngineArgs
-from engine.request import LogprobOptions, RequestOutput
-from engine.sampling import SamplingParams
+from engine.runtime.engine import Engine
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.request import JoinedOutput, LogprobOptions, NewRequest
+from engine.runtime.sampling_params import SamplingParams
 
 Prompt = str | list[int]
 
@@ -22,7 +22,6 @@ class LLM:
         self.engine = Engine(EngineArgs(model_path=str(model_path), **kwargs))
         self.tokenizer = self.engine.tokenizer
         self.cfg = self.engine.cfg
-        self.runner = self.engine.runner
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -39,25 +38,24 @@ class LLM:
         sampling_list = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         if len(sampling_list) != len(prompts):
             raise ValueError(f"got {len(sampling_list)} sampling dicts for {len(prompts)} prompts")
-        order: list[str] = []
-        for prompt, sp in zip(prompts, sampling_list):
-            params = SamplingParams.from_dict(sp)
-            order.extend(self.engine.add_request(self._encode(prompt), params, logprob))
-        results: dict[str, RequestOutput] = {}
+        reqs = [NewRequest(self._encode(p), SamplingParams.from_dict(sp), logprob or LogprobOptions())
+                for p, sp in zip(prompts, sampling_list)]
+        order = [rid for rids in self.engine.add_requests(reqs) for rid in rids]
+        results = {rid: JoinedOutput(rid) for rid in order}
         bar = tqdm(total=len(order), desc="generate", disable=not progress)
-        while len(results) < len(order):
+        while not all(r.finished for r in results.values()):
             for out in self.engine.step():
-                if out.finished:
-                    results[out.rid] = out
-                    bar.update(1)
+                results[out.rid].add(out)
+                bar.update(int(out.finished))
         bar.close()
         return [self._to_dict(results[rid]) for rid in order]
 
     @staticmethod
-    def _to_dict(out: RequestOutput) -> dict[str, Any]:
-        meta = {"id": out.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": len(out.output_ids), "cached_tokens": out.cached_tokens,
+    def _to_dict(res: JoinedOutput) -> dict[str, Any]:
+        out = res.last
+        meta = {"id": res.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
+                "completion_tokens": len(res.output_ids), "cached_tokens": out.cached_tokens,
                 "num_retractions": out.num_retractions}
-        if out.logprobs is not None:
-            meta["logprobs"] = out.logprobs
-        return {"text": out.text, "output_ids": out.output_ids, "meta_info": meta}
+        if res.logprobs is not None:
+            meta["logprobs"] = res.logprobs
+        return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import attention_layer
-from engine.config import ModelConfig
-from engine.forward_batch import ForwardBatch
-from engine.layers import GatedMLP, GemmaRMSNorm, MoE, Rotary, as_dtype, rope_inv_freq
-from engine.linear import linear
+from engine.model.attention import attention_layer
+from engine.model.config import ModelConfig
+from engine.model.forward_batch import ForwardBatch
+from engine.model.layers import GatedMLP, GemmaRMSNorm, MoE, Rotary, as_dtype, rope_inv_freq
+from engine.model.linear import linear
 from mem_cache import MiniMaxSparseKVPool
 
 

@@ -1,0 +1,1 @@
+"""The model (engine.model) and what runs it (engine.runtime)."""

@@ -1,0 +1,1 @@
+"""The model math, as shared/spec/model.md reads: config, layers, indexer, attention, model, loader."""

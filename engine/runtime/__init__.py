@@ -1,0 +1,1 @@
+"""What runs the model: engine, scheduler, model runner, sampling, stopping, logprobs, tokenizer."""

@@ -1,0 +1,253 @@
+"""The engine: `add_requests`, `abort`, `step` -> a delta for each touched request, and `stats`.
+
+`add_requests`, `abort`, `stats` and `wait_for_work` may be called from any thread; `step` runs on
+one thread (the engine thread). A step is: take new requests and aborts, schedule, run, sample.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+
+import torch
+
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.logprobs import plan_prompt_rows, record_output, record_prompt
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.request import NewRequest, Req, RequestOutput
+from engine.runtime.sampler import Sampler
+from engine.runtime.scheduler import ScheduledBatch, Scheduler
+from engine.runtime.setup import build_components
+from engine.runtime.stats import EngineStats
+from engine.runtime.stop import StopChecker
+from engine.runtime.validate import Limits, validate
+from mem_cache import MiniMaxSparseKVPool
+
+ABORT_WAITING = "Abort in waiting queue"
+
+
+class Engine:
+    def __init__(self, args: EngineArgs) -> None:
+        self.args = args
+        c = build_components(args)
+        self.tokenizer, self.cfg, self.context_len = c.tokenizer, c.model.cfg, c.context_len
+        self._kv = c.kv
+        self._runner = ModelRunner(c.model, c.pool, args)
+        self._scheduler = Scheduler(c.kv, args.max_running_requests, args.chunked_prefill_size)
+        self._sampler = Sampler()
+        self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
+        self.max_total_len = min(self.context_len, c.kv.size)
+        self.limits = Limits(self.cfg.vocab_size, self.context_len, c.kv.size, args.max_new_tokens_cap,
+                             self.tokenizer is not None)
+        self._seeds = torch.Generator().manual_seed(args.random_seed)
+        self._cond = threading.Condition()  # guards the inbox, the aborts and the rid tables
+        self._inbox: list[tuple[NewRequest, str]] = []
+        self._aborts: list[tuple[str, bool]] = []
+        self._woken = False
+        self._live: set[str] = set()  # rids submitted and not finished
+        self._group: dict[str, list[str]] = {}  # rid of an n > 1 request -> every rid it expanded into
+        self._member: dict[str, str] = {}  # expanded rid -> its group's rid
+        self._touched: dict[str, Req] = {}
+        self._step_lock = threading.Lock()  # held while a step runs: maintenance waits for it
+
+    @property
+    def pool(self) -> MiniMaxSparseKVPool:
+        """The KV pool, for introspection (its layers, buffers and bytes)."""
+        return self._runner.pool
+
+    # ---- submission (any thread) -----------------------------------------------------------------
+    def add_requests(self, reqs: list[NewRequest], max_sequences: int | None = None) -> list[list[str]]:
+        """Validate every request, then queue them all (all or nothing); the rids of each one's samples.
+        `max_sequences` bounds the samples of the whole call (the server's --max-batch-size)."""
+        for r in reqs:
+            validate(r, self.limits)
+        total = sum(r.params.n for r in reqs)
+        if max_sequences is not None and total > max_sequences:
+            raise ValueError(f"This request asks for {total} sequences ({len(reqs)} prompts x n={reqs[0].params.n}); "
+                             f"this server allows at most {max_sequences} per request (--max-batch-size).")
+        with self._cond:
+            rids = [r.rid or uuid.uuid4().hex for r in reqs]
+            taken = [r for r in rids if r in self._live or r in self._member]
+            if taken or len(set(rids)) < len(rids):
+                raise ValueError(f"Duplicate request ID: {taken[0] if taken else rids}.")
+            out = []
+            for r, rid in zip(reqs, rids):
+                samples = [rid] if r.params.n == 1 else [f"{rid}_{i}" for i in range(r.params.n)]
+                self._live.update(samples)
+                if r.params.n > 1:
+                    self._group[rid] = samples + [f"{rid}__prefill"]
+                    self._member.update({s: rid for s in self._group[rid]})
+                self._inbox.append((r, rid))
+                out.append(samples)
+            self._cond.notify_all()
+        return out
+
+    def _expand(self, r: NewRequest, rid: str) -> None:
+        """Queue one request (engine thread): n samples, sharing one hidden prefill when the prefix
+        cache is on. NOTE: built here, not by the caller, so only the engine thread runs torch."""
+        n, parent = r.params.n, None
+        if n > 1 and not self.args.disable_radix_cache:
+            parent = self._make_req(f"{rid}__prefill", r, r.params.derive(max_new_tokens=0, n=1), hidden=True)
+            self._scheduler.add(parent)
+        for i in range(n):
+            seed = None if r.params.sampling_seed is None else r.params.sampling_seed + i
+            req = self._make_req(rid if n == 1 else f"{rid}_{i}", r, r.params.derive(n=1, sampling_seed=seed))
+            req.depends_on = parent
+            self._scheduler.add(req)
+
+    def _make_req(self, rid: str, r: NewRequest, params, hidden: bool = False) -> Req:
+        seed = params.sampling_seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
+        gen = torch.Generator(device=self._runner.device).manual_seed(seed)
+        stop = StopChecker(params, self.eos_ids, self.tokenizer, r.prompt_ids, self.max_total_len)
+        logprob = r.logprob if not hidden else type(r.logprob)()
+        return Req(rid, list(r.prompt_ids), params, logprob, gen, stop, hidden=hidden)
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        with self._cond:
+            self._aborts.append((rid, abort_all))
+            self._cond.notify_all()
+
+    # ---- the engine thread -----------------------------------------------------------------------
+    def warm_up(self) -> None:
+        """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
+        self._runner.warm_up()
+
+    def has_work(self) -> bool:
+        with self._cond:
+            return bool(self._inbox or self._aborts or self._scheduler.has_work())
+
+    def wait_for_work(self, timeout: float | None = None) -> bool:
+        """Sleep until there is work (or `wake()`); no polling. True when there is work."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._inbox or self._aborts or self._scheduler.has_work() or self._woken,
+                                timeout)
+            self._woken = False
+            return bool(self._inbox or self._aborts or self._scheduler.has_work())
+
+    def wake(self) -> None:
+        with self._cond:
+            self._woken = True
+            self._cond.notify_all()
+
+    def step(self) -> list[RequestOutput]:
+        """One scheduling step: take new requests and aborts, run one batch, report what changed."""
+        with self._step_lock:
+            self._drain_inbox()
+            batch = self._scheduler.next_batch()
+            if batch is not None:
+                self._run(batch)
+            return self._collect()
+
+    def _drain_inbox(self) -> None:
+        with self._cond:
+            new, aborts, self._inbox, self._aborts = self._inbox, self._aborts, [], []
+        for r, rid in new:
+            self._expand(r, rid)
+        for rid, everything in aborts:
+            targets = set(self._group.get(rid, [rid]))  # an n > 1 request aborts all its samples
+            for req in [r for r in self._scheduler.requests() if everything or r.rid in targets]:
+                message = ABORT_WAITING if req.kv is None else "Aborted by request."
+                self._end(req, {"type": "abort", "message": message, "status_code": None})
+
+    def _end(self, req: Req, reason: dict, error: str | None = None) -> None:
+        req.finish(reason, error)
+        req.stop.finish(None)
+        self._scheduler.release(req)
+        self._touched[req.rid] = req
+
+    def _run(self, batch: ScheduledBatch) -> None:
+        rows, plans, sampling = [], [], []
+        offset = 0
+        for req, prefix, ids in zip(batch.reqs, batch.prefix_lens, batch.new_ids):
+            plans.append(plan_prompt_rows(req, prefix, len(ids), offset, rows))
+            if req.remaining_prefill() == 0:
+                sampling.append((req, len(rows)))
+                rows.append(offset + len(ids) - 1)
+            offset += len(ids)
+        logits = self._runner.forward(batch, self._kv.table, rows)
+        for req, plan in zip(batch.reqs, plans):
+            if plan.targets or plan.null_first:
+                record_prompt(req, plan, logits)  # reported with the request's next output
+        if sampling:
+            self._sample([r for r, _ in sampling], logits[[i for _, i in sampling]])
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        live = [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]
+        for r in reqs:
+            if r.params.max_new_tokens == 0:
+                self._end(r, {"type": "length", "length": 0})
+        if not live:
+            return
+        reqs, logits = [reqs[i] for i in live], logits[live]
+        suppress = [r.stop.suppressed(len(r.output_ids)) for r in reqs]
+        tokens = self._sampler.sample(logits, [r.params for r in reqs], [r.output_ids for r in reqs],
+                                      [r.prompt_ids for r in reqs], [r.generator for r in reqs], suppress).tolist()
+        for req, row, tok in zip(reqs, logits, tokens):
+            try:
+                reason = self._accept(req, row, tok)
+            except Exception as e:  # one request's failure (detokenizing, logprobs) ends only that request
+                self._end(req, {"type": "abort", "message": f"internal error: {e}", "status_code": 500}, str(e))
+                continue
+            if reason is not None:
+                self._end(req, reason)
+
+    def _accept(self, req: Req, row: torch.Tensor, tok: int) -> dict | None:
+        """Record a sampled token (logprobs, output, stop checks); the finish reason if it ends the request."""
+        if req.logprob.return_logprob:
+            record_output(req, row, tok)
+        req.output_ids.append(tok)
+        self._touched[req.rid] = req
+        return req.stop.on_token(tok, len(req.output_ids), len(req.prompt_ids) + len(req.output_ids))
+
+    def _collect(self) -> list[RequestOutput]:
+        outs = [req.take_output() for req in self._touched.values() if not req.hidden]
+        finished = [r.rid for r in self._touched.values() if r.finished]
+        self._touched = {}
+        if finished:
+            with self._cond:
+                for rid in finished:
+                    self._forget(rid)
+        return outs
+
+    def _forget(self, rid: str) -> None:
+        self._live.discard(rid)
+        group = self._member.get(rid)
+        if group is not None and not any(r in self._live for r in self._group[group]):
+            for r in self._group.pop(group):
+                self._member.pop(r, None)
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """End every queued and running request with an error (after a failed step); report them."""
+        with self._cond:
+            new, self._inbox = self._inbox, []
+        for r, rid in new:
+            self._expand(r, rid)
+        for req in self._scheduler.requests():
+            self._end(req, {"type": "abort", "message": message, "status_code": 500}, message)
+        return self._collect()
+
+    # ---- state and maintenance (any thread) ------------------------------------------------------
+    def stats(self) -> EngineStats:
+        s, kv = self._scheduler, self._kv
+        return EngineStats(len(s.running), len(s.waiting), kv.size, kv.used_slots(), kv.free_slots(),
+                           kv.evictable_slots(), kv.cached_slots(), self.pool.total_bytes(),
+                           self._runner.captured_batch_sizes())
+
+    def flush_cache(self) -> bool:
+        """Drop the prefix cache; refused (False) while requests are queued or running. Waits for a
+        running step to end, so no request is mid-release."""
+        with self._step_lock:
+            return not self.has_work() and self._kv.flush()
+
+    def check_integrity(self) -> bool:
+        return self._scheduler.check_integrity()
+
+    def integrity_ok(self) -> bool:
+        """`check_integrity()` from any thread: waits for a running step to end; False instead of raising."""
+        with self._step_lock:
+            try:
+                return self.check_integrity()
+            except AssertionError:
+                return False

@@ -1,0 +1,79 @@
+"""Logprobs from the model's raw distribution (before temperature, penalties and bias: SGLang's default),
+and which logits rows of a step score which prompt tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.runtime.request import Entry, Req
+
+
+def logprob_entries(logits: torch.Tensor, targets: list[int], top_n: int, ids: list[int] | None
+                    ) -> tuple[list[Entry], list[list[Entry]] | None, list[list[Entry]] | None, list[int]]:
+    """For each row of raw logits [n, V]: (logprob of targets[i], top_n alternatives, requested ids,
+    the rank of targets[i]: 1 + the number of tokens more likely)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1))
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
+    token = list(zip(chosen, targets))
+    top = None
+    if top_n > 0:
+        vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
+        top = [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
+    wanted = None
+    if ids:
+        picked = lp[:, torch.tensor(ids, device=lp.device)].tolist()
+        wanted = [list(zip(row, ids)) for row in picked]
+    return token, top, wanted, ranks
+
+
+@dataclass
+class PromptRows:
+    """The logits rows of a step that score request prompt tokens: rows[first:first + len(targets)]."""
+
+    first: int
+    targets: list[int]
+    null_first: bool  # this chunk starts the prompt at logprob_start_len 0: one entry with no logprob
+
+
+def plan_prompt_rows(req: Req, prefix: int, n: int, offset: int, rows: list[int]) -> PromptRows:
+    """Append to `rows` the flattened-batch rows whose logits score prompt tokens of this chunk
+    (positions prefix..prefix+n-1 of the request, at batch offset `offset`)."""
+    lp, p = req.logprob, len(req.prompt_ids)
+    first = len(rows)
+    if not lp.return_logprob or lp.logprob_start_len < 0 or req.prompt_logprobs_done:
+        return PromptRows(first, [], False)
+    end = prefix + n
+    lo, hi = max(prefix, lp.logprob_start_len - 1), min(end, p - 1)
+    rows.extend(offset + j - prefix for j in range(lo, hi))
+    if end >= p:
+        req.prompt_logprobs_done = True
+    return PromptRows(first, [req.prompt_ids[j + 1] for j in range(lo, hi)], prefix == 0 and lp.logprob_start_len == 0)
+
+
+def record_prompt(req: Req, plan: PromptRows, logits: torch.Tensor) -> None:
+    out = req.pending
+    if plan.null_first:
+        out.input_token.append((None, req.prompt_ids[0]))
+        out.input_top.append(None)
+        out.input_ids.append(None)
+        out.input_rank.append(None)
+    if plan.targets:
+        rows = logits[plan.first:plan.first + len(plan.targets)]
+        tok, top, ids, ranks = logprob_entries(rows, plan.targets, req.logprob.top_logprobs_num,
+                                               req.logprob.token_ids_logprob)
+        out.input_rank.extend(ranks)
+        out.input_token.extend(tok)
+        out.input_top.extend(top or [None] * len(tok))
+        out.input_ids.extend(ids or [None] * len(tok))
+
+
+def record_output(req: Req, row: torch.Tensor, token: int) -> None:
+    lp = req.logprob
+    tok, top, ids, _ = logprob_entries(row[None], [token], lp.top_logprobs_num, lp.token_ids_logprob)
+    req.pending.output_token.extend(tok)
+    req.pending.output_top.extend(top or [])
+    req.pending.output_ids.extend(ids or [])

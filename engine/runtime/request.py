@@ -1,0 +1,166 @@
+"""A request as the engine sees it (waiting -> running -> finished) and the deltas it reports."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.stop import StopChecker
+from mem_cache import ReqKV
+
+Entry = tuple[float | None, int]  # (logprob or None, token id)
+
+
+@dataclass
+class LogprobOptions:
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: output tokens only
+    top_logprobs_num: int = 0
+    token_ids_logprob: list[int] | None = None
+
+
+@dataclass
+class Logprobs:
+    """Logprob entries: on a `RequestOutput`, only those new since the previous output; a consumer
+    `extend`s them into its own copy for the whole request."""
+
+    input_token: list[Entry] = field(default_factory=list)
+    input_top: list[list[Entry] | None] = field(default_factory=list)
+    input_ids: list[list[Entry] | None] = field(default_factory=list)
+    input_rank: list[int | None] = field(default_factory=list)  # each prompt token's rank in its distribution
+    output_token: list[Entry] = field(default_factory=list)
+    output_top: list[list[Entry]] = field(default_factory=list)
+    output_ids: list[list[Entry]] = field(default_factory=list)
+
+    def extend(self, more: Logprobs) -> None:
+        for f in fields(self):
+            getattr(self, f.name).extend(getattr(more, f.name))
+
+
+@dataclass
+class NewRequest:
+    """What a caller submits: one prompt (token ids) and how to sample it (`n` samples share it)."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprob: LogprobOptions = field(default_factory=LogprobOptions)
+    rid: str | None = None
+    fit_context: bool = False  # prompt + max_new_tokens must fit the context (the OpenAI routes' rule)
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request: deltas only (nothing here grows with the output)."""
+
+    rid: str
+    new_ids: list[int]
+    new_text: str
+    logprobs: Logprobs | None  # entries new in this output (None unless return_logprob)
+    completion_tokens: int  # output tokens so far
+    prompt_tokens: int
+    cached_tokens: int
+    finished: bool = False
+    finish_reason: dict[str, Any] | None = None  # set once, on the final output
+    num_retractions: int = 0
+    error: str | None = None
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprob: LogprobOptions
+    generator: torch.Generator
+    stop: StopChecker
+    depends_on: Req | None = None  # admitted only once this one has finished (n > 1 prefix sharing)
+    hidden: bool = False  # an internal request (the shared prefill of n > 1): reports nothing
+    output_ids: list[int] = field(default_factory=list)
+    kv: ReqKV | None = None  # the KV cache manager's record while the request holds KV
+    cached_tokens: int = 0
+    num_retractions: int = 0
+    prompt_logprobs_done: bool = False
+    finish_reason: dict[str, Any] | None = None
+    error: str | None = None
+    created: float = field(default_factory=time.monotonic)
+    pending: Logprobs = field(default_factory=Logprobs)  # logprob entries not reported yet
+    reported: int = 0  # output ids already reported
+
+    def __post_init__(self) -> None:
+        assert self.prompt_ids, "a request needs at least one prompt token"
+
+    @property
+    def num_computed(self) -> int:
+        """Tokens whose K/V are in the cache."""
+        return 0 if self.kv is None else self.kv.num_computed
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def remaining_prefill(self) -> int:
+        """Tokens still to feed before this request can sample its next token."""
+        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+
+    def finish(self, reason: dict[str, Any], error: str | None = None) -> None:
+        if self.finish_reason is None:
+            self.finish_reason, self.error = reason, error
+
+    def take_output(self) -> RequestOutput:
+        """The delta since the previous call (new ids, released text, new logprob entries)."""
+        new, self.reported = self.output_ids[self.reported:], len(self.output_ids)
+        lp = None
+        if self.logprob.return_logprob:
+            lp, self.pending = self.pending, Logprobs()
+        return RequestOutput(self.rid, new, self.stop.take_text(), lp, len(self.output_ids), len(self.prompt_ids),
+                             self.cached_tokens, self.finished, self.finish_reason, self.num_retractions, self.error)
+
+
+@dataclass
+class JoinedOutput:
+    """A request's deltas joined together: the cumulative view a consumer builds for itself."""
+
+    rid: str
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: Logprobs | None = None
+    last: RequestOutput | None = None  # the latest output (finish reason, counts, error)
+    _text: list[str] = field(default_factory=list)
+
+    def add(self, out: RequestOutput) -> None:
+        self.output_ids.extend(out.new_ids)
+        if out.new_text:
+            self._text.append(out.new_text)
+        if out.logprobs is not None:
+            self.logprobs = self.logprobs or Logprobs()
+            self.logprobs.extend(out.logprobs)
+        self.last = out
+
+    @property
+    def text(self) -> str:
+        if len(self._text) > 1:
+            self._text[:] = ["".join(self._text)]
+        return self._text[0] if self._text else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.last is not None and self.last.finished
+
+    @property
+    def finish_reason(self) -> dict[str, Any] | None:
+        return self.last.finish_reason if self.last else None
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.last.cached_tokens if self.last else 0
+
+    @property
+    def num_retractions(self) -> int:
+        return self.last.num_retractions if self.last else 0

@@ -1,0 +1,143 @@
+"""KVCacheManager: the one owner of token slots, request rows and the prefix cache.
+
+Every allocatable slot is, at any time, exactly one of: free (in the allocator), held by the radix
+tree, or owned by one live request. The scheduler asks questions (`can_admit`, `can_allocate`) and
+then acts (`admit`, `allocate`, `release`); it never touches the allocator, the tree or the table.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mem_cache.allocator import TokenSlotAllocator
+from mem_cache.errors import PoolExhaustedError
+from mem_cache.radix_cache import RadixCache, TreeNode
+from mem_cache.req_to_token import ReqToTokenPool
+
+
+@dataclass(eq=False)
+class ReqKV:
+    """One live request's KV, as the manager tracks it: read it, change it only through the manager.
+
+    `slots[i]` holds position i's K/V for the first `num_computed` tokens; the first `cached` of them
+    are the radix tree's (shared, locked through `node`), the rest are the request's own.
+    """
+
+    row: int  # the request's row of the req_to_token table
+    slots: torch.Tensor
+    node: TreeNode
+    cached: int
+
+    @property
+    def num_computed(self) -> int:
+        return int(self.slots.shape[0])
+
+
+class KVCacheManager:
+    def __init__(self, size: int, max_requests: int, context_len: int, device: str | torch.device = "cpu",
+                 disable_radix_cache: bool = False) -> None:
+        self.allocator = TokenSlotAllocator(size, device)
+        self.req_to_token = ReqToTokenPool(max_requests, context_len, device)
+        self.radix = RadixCache(self.allocator, disable=disable_radix_cache)
+        self._live: set[ReqKV] = set()
+
+    # ---- questions ------------------------------------------------------------------------------------
+    @property
+    def size(self) -> int:
+        """Allocatable token slots."""
+        return self.allocator.size
+
+    @property
+    def table(self) -> torch.Tensor:
+        """The [max_requests, context_len] int32 table: row, position -> slot (attention reads it)."""
+        return self.req_to_token.req_to_token
+
+    def free_slots(self) -> int:
+        return self.allocator.available_size()
+
+    def used_slots(self) -> int:
+        """Slots held by requests or by the tree."""
+        return self.allocator.used_size()
+
+    def evictable_slots(self) -> int:
+        return self.radix.evictable_size()
+
+    def cached_slots(self) -> int:
+        return self.radix.total_size()
+
+    def room(self) -> int:
+        """Slots an allocation could get now: free ones plus what eviction would free."""
+        return self.allocator.available_size() + self.radix.evictable_size()
+
+    def can_admit(self) -> bool:
+        return self.req_to_token.can_alloc(1)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= self.room()
+
+    def num_live(self) -> int:
+        return len(self._live)
+
+    # ---- actions ---------------------------------------------------------------------------------------
+    def admit(self, prefix_ids: Sequence[int]) -> ReqKV:
+        """A row for a new request and the longest cached prefix of `prefix_ids` (locked); the caller
+        passes only the tokens it may take from the cache."""
+        row = self.req_to_token.alloc(1)[0]
+        slots, node = self.radix.match_prefix(prefix_ids)
+        self.radix.inc_lock_ref(node)
+        if slots.numel():
+            self.req_to_token.write(row, 0, slots)
+        kv = ReqKV(row, slots, node, int(slots.numel()))
+        self._live.add(kv)
+        return kv
+
+    def allocate(self, parts: Sequence[tuple[ReqKV, int]]) -> torch.Tensor:
+        """Give each request its next `n` slots (evicting if needed): appended to its slots and written
+        to its row. Returns all new slots in order (the step's out_cache_loc)."""
+        total = sum(n for _, n in parts)
+        if not self.can_allocate(total):
+            raise PoolExhaustedError(f"KVCacheManager: {total} slots asked, {self.room()} free or evictable "
+                                     "(ask can_allocate() first)")
+        if total > self.allocator.available_size():
+            self.radix.evict(total - self.allocator.available_size())
+        slots = self.allocator.alloc(total)
+        start = 0
+        for kv, n in parts:
+            own = slots[start:start + n]
+            self.req_to_token.write(kv.row, kv.num_computed, own)
+            kv.slots = torch.cat([kv.slots, own])
+            start += n
+        return slots
+
+    def release(self, kv: ReqKV, token_ids: Sequence[int]) -> None:
+        """A finished, aborted or retracted request gives its KV back: the tokens it computed
+        (`token_ids`, one per slot) go to the prefix cache, its duplicates and its row are freed."""
+        self._live.remove(kv)
+        self.radix.cache_finished_req(token_ids, kv.slots, kv.node)
+        self.req_to_token.free(kv.row)
+
+    def flush(self) -> bool:
+        """Drop the prefix cache; refused (False) while any request holds KV."""
+        if self._live:
+            return False
+        self.radix.flush()
+        return True
+
+    # ---- invariants ------------------------------------------------------------------------------------
+    def check_integrity(self) -> bool:
+        """free + owned by requests + held by the tree == size, no slot owned twice, one row per request."""
+        assert self.allocator.check_integrity() and self.req_to_token.check_integrity()
+        assert self.radix.check_integrity()
+        own = [kv.slots[kv.cached:] for kv in self._live]
+        both = torch.cat([*own, self.radix.all_slots()])
+        assert both.unique().numel() == both.numel(), "KVCacheManager: a slot is owned twice"
+        total = self.allocator.available_size() + both.numel()
+        assert total == self.size, f"KVCacheManager: slots leaked: free+owned+cached={total} != {self.size}"
+        assert self.req_to_token.used_size() == len(self._live), "KVCacheManager: request rows leaked"
+        for kv in self._live:
+            row = self.req_to_token.req_to_token[kv.row, :kv.num_computed].to(kv.slots)
+            assert torch.equal(row, kv.slots), f"KVCacheManager: row {kv.row} disagrees with its slots"
+        return True

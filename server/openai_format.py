@@ -1,0 +1,123 @@
+"""OpenAI requests <-> engine: the chat prompt; finish fields, usage and both logprob formats.
+
+Pure functions over deltas and joined outputs, no HTTP: non-stream bodies and stream chunks use the same.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from engine.runtime.request import JoinedOutput, Logprobs
+from engine.runtime.tokenizer import Tokenizer
+from server.errors import ApiError
+from server.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionLogprobs,
+    TokenLogprob,
+    TopLogprob,
+    UsageInfo,
+)
+
+_RESERVED_TEMPLATE_KEYS = ("messages", "add_generation_prompt")
+
+
+def finish_fields(reason: dict[str, Any] | None) -> tuple[str | None, int | str | None]:
+    """(finish_reason, matched_stop): "stop" with the matched id or string, "length"/"abort" with null."""
+    if reason is None:
+        return None, None
+    kind = reason.get("type")
+    return kind, reason.get("matched") if kind == "stop" else None
+
+
+def usage_of(prompt_lens: list[int], joined: list[JoinedOutput], n: int) -> UsageInfo:
+    """Each prompt counted once (not once per sample); every sample's generated tokens counted."""
+    prompt = sum(prompt_lens)
+    completion = sum(len(j.output_ids) for j in joined)
+    cached = sum(j.last.cached_tokens for k, j in enumerate(joined) if j.last is not None and k % n == 0)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details={"cached_tokens": cached})
+
+
+def token_text(tok: Tokenizer, token_id: int) -> str:
+    """The text of one token as logprobs show it (special tokens kept)."""
+    return tok.decode([token_id], skip_special_tokens=False)
+
+
+def completion_logprobs(tok: Tokenizer, lp: Logprobs, echo: bool, offset: int) -> tuple[CompletionLogprobs, int]:
+    """/v1/completions `logprobs` for one delta's entries (the prompt's first when echoing; the first
+    prompt entry has no logprob). With `logprobs: 0` each position's top_logprobs holds the token itself.
+    Returns the object and the text offset after it (offsets count into the choice's returned text)."""
+    out = CompletionLogprobs()
+    rows = []
+    if echo:
+        rows += list(zip(lp.input_token, lp.input_top or [None] * len(lp.input_token)))
+    rows += list(zip(lp.output_token, lp.output_top or [None] * len(lp.output_token)))
+    for (logprob, token_id), top in rows:
+        text = token_text(tok, token_id)
+        out.tokens.append(text)
+        out.token_logprobs.append(logprob)
+        out.text_offset.append(offset)
+        offset += len(text)
+        alts = top if top else ([(logprob, token_id)] if logprob is not None else [])
+        out.top_logprobs.append({token_text(tok, t): v for v, t in alts} or None)
+    return out, offset
+
+
+def _top(tok: Tokenizer, logprob: float | None, token_id: int) -> TopLogprob:
+    text = token_text(tok, token_id)
+    return TopLogprob(token=text, bytes=list(text.encode("utf-8")), logprob=logprob)
+
+
+def chat_logprobs(tok: Tokenizer, lp: Logprobs) -> list[TokenLogprob]:
+    """/v1/chat/completions `logprobs.content` entries for one delta's output tokens."""
+    tops = lp.output_top or [[] for _ in lp.output_token]
+    return [TokenLogprob(**_top(tok, v, t).model_dump(), top_logprobs=[_top(tok, a, b) for a, b in top or ()])
+            for (v, t), top in zip(lp.output_token, tops)]
+
+
+def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, asked: int, cap: int
+                    ) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
+    decoded_token}} for the prompt token and `asked` alternatives (-1: as many as `cap`)."""
+    if lp is None:
+        return None
+    k = cap if asked == -1 else asked
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for (v, t), top, rank in zip(lp.input_token, lp.input_top or [None] * len(lp.input_token), lp.input_rank):
+        if v is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": v, "rank": rank, "decoded_token": token_text(tok, t)}}
+        for r, (a, b) in enumerate((top or [])[:k], start=1):
+            entry.setdefault(str(b), {"logprob": a, "rank": r, "decoded_token": token_text(tok, b)})
+        out.append(entry)
+    return out
+
+
+def _content_text(content: str | list[dict[str, Any]] | None) -> str:
+    if isinstance(content, list):
+        return "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+    return content or ""
+
+
+def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """Render the messages with the chat template and tokenize (the template already holds any BOS).
+
+    With continue_final_message the last (assistant) message is left open: the template renders a
+    sentinel in its place and the prompt is cut there, so the model continues the message's text.
+    """
+    messages = [m.model_dump() for m in req.messages]
+    kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KEYS}
+    if not req.continue_final_message:
+        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs),
+                          add_special_tokens=False)
+    if messages[-1]["role"] != "assistant":
+        raise ApiError(400, "continue_final_message needs the last message to have role 'assistant'.")
+    sentinel = f"<<continue-{uuid.uuid4().hex}>>"
+    rendered = tok.apply_chat_template([*messages[:-1], {**messages[-1], "content": sentinel}],
+                                       add_generation_prompt=False, **kwargs)
+    cut = rendered.find(sentinel)
+    if cut < 0:
+        raise ApiError(400, "the chat template drops the final message's content; cannot continue it.")
+    return tok.encode(rendered[:cut] + _content_text(messages[-1]["content"]), add_special_tokens=False)

@@ -1,0 +1,154 @@
+"""One HTTP request's sequences in the engine, from submit to the last output: the one way every
+generation route goes (native /generate, /v1/completions, /v1/chat/completions, /health_generate).
+
+A `Submission` submits all its sequences (all or nothing), reads their outputs as they arrive (joined
+per sequence), turns a server-side failure into its HTTP error, and aborts whatever has not
+finished however the request ends: done, client gone, error or shutdown. `SSEResponse` streams its
+frames and guarantees that last step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from typing import Any
+
+import anyio
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from engine.runtime.request import JoinedOutput, NewRequest, RequestOutput
+from server.async_engine import AsyncEngine
+from server.errors import ApiError
+
+logger = logging.getLogger("server.access")
+CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by anyone
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the result was ready."""
+
+
+def server_error(out: RequestOutput) -> ApiError | None:
+    """A server-side abort (finish_reason abort with a status code) as the HTTP error it means."""
+    fr = out.finish_reason or {}
+    if fr.get("type") == "abort" and fr.get("status_code") is not None:
+        return ApiError(int(fr["status_code"]), str(fr.get("message") or out.error or "request aborted by the server"))
+    return None
+
+
+class Submission:
+    def __init__(self, ae: AsyncEngine, reqs: list[NewRequest], route: str, started: float | None = None) -> None:
+        self.ae, self.route = ae, route
+        self.id = ""  # the response id, where the route has one
+        self.started = time.monotonic() if started is None else started
+        self.rids, self._channel = ae.submit(reqs)  # ValueError -> 400, EngineDeadError -> 503
+        self.joined = [JoinedOutput(r) for r in self.rids]
+        self._open = set(range(len(self.rids)))
+
+    async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """(sequence index, its new delta) until every sequence has finished; `joined[i]` already holds
+        the delta. A sequence the server failed raises its ApiError."""
+        while self._open:
+            i, out = await self._channel.get()
+            self.joined[i].add(out)
+            if out.finished:
+                err = server_error(out)
+                self._done(i, err.status if err else 200)
+                if err is not None:
+                    raise err
+            yield i, out
+
+    async def collect(self, request: Request) -> list[JoinedOutput]:
+        """Every sequence's joined result; ClientGone (after aborting them) if the client leaves first."""
+
+        async def drain() -> None:
+            async for _ in self.outputs():
+                pass
+
+        results = asyncio.ensure_future(drain())
+        gone = asyncio.ensure_future(wait_disconnect(request))
+        try:
+            await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not results.done():
+                raise ClientGone()
+            results.result()  # a failed sequence: its ApiError
+            return self.joined
+        finally:
+            for task in (results, gone):
+                task.cancel()
+                with suppress(asyncio.CancelledError, Exception):
+                    await task
+            self.close()
+
+    def close(self) -> None:
+        """Abort every sequence that has not finished (idempotent)."""
+        for i in sorted(self._open):
+            self.ae.abort(self.rids[i])
+            self._done(i, CLIENT_CLOSED)
+
+    def _done(self, i: int, status: int) -> None:
+        if i not in self._open:
+            return
+        self._open.discard(i)
+        res = self.joined[i]
+        last = res.last
+        reason = ((last.finish_reason or {}).get("type") if last and last.finished else "client_gone")
+        logger.info("rid=%s prompt_tokens=%s completion_tokens=%d latency=%.3fs status=%d finish=%s route=%s",
+                    res.rid, last.prompt_tokens if last else "-", len(res.output_ids),
+                    time.monotonic() - self.started, status, reason, self.route)
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Return once the client has disconnected (the body was read already, so only that can arrive)."""
+    while (await request.receive()).get("type") != "http.disconnect":
+        pass
+
+
+class SSEResponse(StreamingResponse):
+    """text/event-stream of `frames`; afterwards (done, client gone, error) the frames' generator is
+    closed and the submission's unfinished sequences aborted, even if no frame was ever produced."""
+
+    def __init__(self, frames: AsyncIterator[str], submission: Submission) -> None:
+        super().__init__(frames, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self.submission = submission
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            with anyio.CancelScope(shield=True):
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            self.submission.close()
+
+
+async def sse_frames(sub: Submission, frame: Any, error: Any, head: tuple[str, ...] = (),
+                     tail: Any = None) -> AsyncIterator[str]:
+    """`data:` lines: `head`, frame(i, out) per output (None: skip), tail() (optional), then [DONE].
+    An error once streaming has begun becomes error(status, message) and ends the stream."""
+    try:
+        for text in head:
+            yield text
+        async for i, out in sub.outputs():
+            text = frame(i, out)
+            if text is not None:
+                yield text
+                # NOTE: a real suspension per frame: with the client gone, a backlog is otherwise sent
+                # without ever suspending, and the disconnect (a cancellation) waits for all of it.
+                await asyncio.sleep(0)
+        if tail is not None:
+            for text in tail():
+                yield text
+    except ApiError as e:
+        yield error(e.status, e.message)
+    except Exception as e:  # noqa: BLE001 - the status line is already sent
+        logger.exception("error while streaming")
+        yield error(500, f"internal error: {type(e).__name__}")
+    yield "data: [DONE]\n\n"

@@ -1,0 +1,50 @@
+"""A model stepped by hand through its own KV pool (tests): chunked extends and decode steps, logits of
+every position. It builds what the engine builds, from public pieces, without a scheduler."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.model.model import MiniMaxM3Model
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.model_runner import ModelRunner
+from engine.runtime.scheduler import ScheduledBatch
+from mem_cache import KVCacheManager, MiniMaxSparseKVPool
+
+
+class PagedModel:
+    def __init__(self, model: MiniMaxM3Model, size: int = 2048, max_requests: int = 8, graphs: bool = False) -> None:
+        c, p = model.cfg, next(model.parameters())
+        self.pool = MiniMaxSparseKVPool(size, p.dtype, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
+                                        c.index_head_dim, p.device)
+        self.kv = KVCacheManager(size, max_requests, c.max_position_embeddings, p.device, disable_radix_cache=True)
+        self.runner = ModelRunner(model, self.pool, EngineArgs(disable_cuda_graph=not graphs))
+
+    def run(self, prompts: list[list[int]], chunk: int, prefix: int | None = None) -> list[torch.Tensor]:
+        """Feed each prompt `chunk` tokens per step (all prompts batched per step), or one extend of
+        `prefix` tokens followed by one-token decode steps; logits of every position, per prompt."""
+        kvs = [self.kv.admit([]) for _ in prompts]
+        out: list[list[torch.Tensor]] = [[] for _ in prompts]
+        while any(kv.num_computed < len(p) for kv, p in zip(kvs, prompts)):
+            live = [i for i, (kv, p) in enumerate(zip(kvs, prompts)) if kv.num_computed < len(p)]
+            steps = [prefix if prefix is not None and kvs[i].num_computed == 0 else (1 if prefix is not None else chunk)
+                     for i in live]
+            ids = [prompts[i][kvs[i].num_computed:kvs[i].num_computed + n] for i, n in zip(live, steps)]
+            for i, logits in zip(live, self.step([kvs[i] for i in live], ids)):
+                out[i].append(logits)
+        for kv, p in zip(kvs, prompts):
+            self.kv.release(kv, p)
+        assert self.kv.check_integrity()
+        return [torch.cat(o) for o in out]
+
+    def step(self, kvs: list, ids: list[list[int]]) -> list[torch.Tensor]:
+        """One batched step: request i feeds ids[i]; its logits at each fed position."""
+        prefix = [kv.num_computed for kv in kvs]
+        loc = self.kv.allocate([(kv, len(x)) for kv, x in zip(kvs, ids)])
+        batch = ScheduledBatch([], [kv.row for kv in kvs], prefix, ids, loc)
+        logits = self.runner.forward(batch, self.kv.table, list(range(sum(len(x) for x in ids))))
+        return list(logits.split([len(x) for x in ids]))
+
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one prompt, in one extend."""
+        return self.run([ids], chunk=len(ids))[0]

@@ -1,0 +1,164 @@
+"""Outputs are deltas: joined, they equal the non-streamed result (native and OpenAI); validation is
+all or nothing for a batch; an idle engine sleeps (no CPU, no poll delay before the first token)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import time
+
+import httpx
+import pytest
+from engine_utils import make_engine
+
+from engine.runtime.request import LogprobOptions, NewRequest
+from engine.runtime.sampling_params import SamplingParams
+from server.async_engine import AsyncEngine
+from tests.http_utils import generate, stream
+from tests.server_utils import live_server
+
+GREEDY = {"temperature": 0, "ignore_eos": True}
+
+
+def same(a, b, tol: float = 1e-4) -> bool:
+    """Equal structures, floats within `tol` (a prefix-cache hit changes the last bits of a logprob)."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and abs(a - b) <= tol
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y, tol) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k], tol) for k in a)
+    return a == b
+LP = {"return_logprob": True, "logprob_start_len": 0, "top_logprobs_num": 2}
+
+
+@pytest.fixture(scope="module")
+def srv():
+    with live_server("--incremental-streaming-output", "--enable-metrics", "--max-total-tokens", "8192") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    with srv.client() as c:
+        yield c
+
+
+def test_native_deltas_joined_equal_the_non_stream_result(client):
+    body = {"text": ["Once upon a time", "The cat"], "sampling_params": {**GREEDY, "max_new_tokens": 9}, **LP}
+    plain = generate(client, **body)
+    frames = stream(client, **body)
+    for i, want in enumerate(plain):
+        mine = [f for f in frames if f["index"] == i]
+        assert "".join(f["text"] for f in mine) == want["text"]
+        assert [t for f in mine for t in f["output_ids"]] == want["output_ids"]
+        for key in ("input_token_logprobs", "output_token_logprobs", "input_top_logprobs", "output_top_logprobs"):
+            assert same([e for f in mine for e in f["meta_info"][key]], want["meta_info"][key]), key
+        assert mine[-1]["meta_info"]["finish_reason"] == want["meta_info"]["finish_reason"]
+
+
+def _sse(r: httpx.Response) -> list[dict]:
+    lines = [line[len("data: "):] for line in r.text.split("\n") if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_openai_stream_deltas_joined_equal_the_non_stream_result(client):
+    body = {"prompt": ["Once upon a time", "A dog"], "max_tokens": 8, "logprobs": 2, "echo": True, **GREEDY}
+    plain = client.post("/v1/completions", json=body).json()
+    chunks = _sse(client.post("/v1/completions", json={**body, "stream": True}))
+    for want in plain["choices"]:
+        mine = [c["choices"][0] for c in chunks if c["choices"] and c["choices"][0]["index"] == want["index"]]
+        assert "".join(c["text"] for c in mine) == want["text"]
+        for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+            assert same([e for c in mine if c["logprobs"] for e in c["logprobs"][key]], want["logprobs"][key]), key
+    chat = {"messages": [{"role": "user", "content": "Tell me a story"}], "max_tokens": 8, "logprobs": True,
+            "top_logprobs": 2, **GREEDY}
+    plain = client.post("/v1/chat/completions", json=chat).json()["choices"][0]
+    chunks = [c["choices"][0] for c in _sse(client.post("/v1/chat/completions", json={**chat, "stream": True}))]
+    assert "".join(c["delta"].get("content", "") for c in chunks) == plain["message"]["content"]
+    assert same([e for c in chunks if c.get("logprobs") for e in c["logprobs"]["content"]], plain["logprobs"]["content"])
+
+
+def _finished_requests(client) -> float:
+    text = client.get("/metrics").text
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith("sglang:num_requests_total"))
+
+
+def test_one_invalid_request_in_a_batch_queues_nothing(client):
+    before = _finished_requests(client)
+    bad = [{"text": ["fine", "also fine"], "sampling_params": [{"max_new_tokens": 4}, {"top_p": 5}]},
+           {"input_ids": [[5, 6], [5, 99999]], "sampling_params": {"max_new_tokens": 4}},
+           {"text": ["fine", "x" * 10]} | {"rid": ["r1", "r1"]}]
+    for body in bad:
+        assert client.post("/generate", json=body).status_code == 400
+    time.sleep(0.5)
+    info = client.get("/server_info").json()["internal_states"][0]
+    assert info["num_running_reqs"] == info["num_queue_reqs"] == info["num_in_flight"] == 0
+    assert _finished_requests(client) == before  # the valid prompts of those batches never ran
+
+
+def test_engine_add_requests_is_all_or_nothing():
+    engine = make_engine(max_total_tokens=1024)
+    good = NewRequest([5, 6, 7], SamplingParams(max_new_tokens=3))
+    bad = NewRequest([5, 6, 7], SamplingParams(max_new_tokens=3), LogprobOptions(True, logprob_start_len=9))
+    with pytest.raises(ValueError, match="logprob_start_len"):
+        engine.add_requests([good, bad])
+    st = engine.stats()
+    assert not engine.has_work() and st.num_waiting == st.num_running == 0 and st.used_tokens == 0
+
+
+def _cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def test_an_idle_server_uses_no_cpu(srv, client):
+    generate(client, text="warm", sampling_params={"max_new_tokens": 2})
+    time.sleep(1.0)
+    before = _cpu_seconds(srv.proc.pid)
+    time.sleep(3.0)
+    used = _cpu_seconds(srv.proc.pid) - before
+    assert used < 0.1, f"an idle server used {used:.2f} s of CPU in 3 s"
+
+
+def test_first_token_is_not_delayed_by_a_poll_interval():
+    """TTFT at idle, through the sleeping engine thread, against the same prefill stepped directly on
+    that thread (the only one that runs torch)."""
+    prompt = list(range(5, 205))
+    prefill: list[float] = []
+
+    def req() -> NewRequest:
+        return NewRequest(prompt, SamplingParams(max_new_tokens=1, temperature=0))
+
+    def build():
+        engine = make_engine(max_total_tokens=4096, disable_radix_cache=True)
+        for _ in range(8):
+            engine.add_requests([req()])
+            t = time.perf_counter()
+            while engine.has_work():
+                engine.step()
+            prefill.append(time.perf_counter() - t)
+        return engine
+
+    async def through_thread(ae: AsyncEngine) -> float:
+        await asyncio.sleep(0.2)  # the engine thread is asleep now
+        t = time.perf_counter()
+        _, channel = ae.submit([req()])
+        await channel.get()
+        return time.perf_counter() - t
+
+    async def main() -> list[float]:
+        ae = AsyncEngine(build)
+        ae.start(asyncio.get_running_loop())
+        try:
+            return [await through_thread(ae) for _ in range(7)]
+        finally:
+            ae.stop()
+
+    ttft = statistics.median(asyncio.run(main()))
+    direct = statistics.median(prefill[1:])
+    assert ttft - direct < 0.010, f"TTFT {ttft * 1e3:.1f} ms vs prefill {direct * 1e3:.1f} ms"
