@@ -13,12 +13,16 @@ from mem_cache import KVCacheManager, MiniMaxSparseKVPool
 
 
 class PagedModel:
-    def __init__(self, model: MiniMaxM3Model, size: int = 2048, max_requests: int = 8, graphs: bool = False) -> None:
+    def __init__(self, model: MiniMaxM3Model, size: int = 2048, max_requests: int = 8,
+                 graph_buckets: list[int] | None = None) -> None:
         c, p = model.cfg, next(model.parameters())
         self.pool = MiniMaxSparseKVPool(size, p.dtype, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
                                         c.index_head_dim, p.device)
         self.kv = KVCacheManager(size, max_requests, c.max_position_embeddings, p.device, disable_radix_cache=True)
-        self.runner = ModelRunner(model, self.pool, EngineArgs(disable_cuda_graph=not graphs))
+        args = EngineArgs(disable_cuda_graph=not graph_buckets, cuda_graph_bs=graph_buckets)
+        self.runner = ModelRunner(model, self.pool, args)
+        if graph_buckets:
+            self.runner.warm_up()
 
     def run(self, prompts: list[list[int]], chunk: int, prefix: int | None = None) -> list[torch.Tensor]:
         """Feed each prompt `chunk` tokens per step (all prompts batched per step), or one extend of

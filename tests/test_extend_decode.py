@@ -7,14 +7,7 @@ import torch
 from orig_checkpoint import make_config, random_state_dict, write_checkpoint
 from test_parity_transformers import Ours, prompt_logits
 
-from engine.model.attention import (
-    block_sparse_attention,
-    blocked_rows,
-    dense_attention,
-    gathered_sparse_attention,
-    masked_sparse_attention,
-)
-from engine.model.forward_batch import Segment
+from engine.model.attention import sparse_attend
 from engine.model.indexer import select_blocks
 
 
@@ -47,55 +40,57 @@ def test_decode_after_cached_prefix_equals_full_forward(llm):
         assert (got - want).abs().max().item() < 1e-4
 
 
-def _random_segment(n: int, t: int, perm: torch.Tensor) -> Segment:
-    q_pos = torch.arange(n - t, n).view(1, -1)
-    return Segment(0, 1, t, perm[:n].view(1, -1), q_pos, n - 1)
+def _slots(n: int, pool_rows: int, g: torch.Generator) -> torch.Tensor:
+    return torch.randperm(pool_rows, generator=g)[:n]  # a sequence's slots scattered over the pool
 
 
-def block_path(q, k_buf, v_buf, blocks, seg, block, scale):
-    """The one-row extend path: K/V copied once into block layout, whole blocks gathered."""
-    return block_sparse_attention(q, blocked_rows(k_buf, seg, block), blocked_rows(v_buf, seg, block), blocks,
-                                  seg, block, scale)
+def _dense(q, k_buf, v_buf, slots, q_pos, scale):
+    """Causal softmax attention of q [T, n_kv*G, D] at q_pos over keys slots[:q_pos + 1], per query."""
+    n_kv, t, d = k_buf.shape[1], q.shape[0], q.shape[-1]
+    k, v = k_buf[slots], v_buf[slots]  # [N, n_kv, D]
+    qh = q.view(t, n_kv, -1, d)
+    s = torch.einsum("thgd,nhd->thgn", qh, k) * scale
+    s = s.masked_fill(torch.arange(len(slots))[None, None, None, :] > q_pos[:, None, None, None], float("-inf"))
+    return torch.einsum("thgn,nhd->thgd", torch.softmax(s, -1), v).reshape(t, -1)
 
 
-SPARSE_PATHS = [gathered_sparse_attention, masked_sparse_attention, block_path]
-
-
-@pytest.mark.parametrize("sparse_attention", SPARSE_PATHS)
 @pytest.mark.parametrize("block,n,t", [(4, 37, 37), (16, 100, 9), (8, 64, 1)])
-def test_sparse_with_topk_covering_every_block_equals_dense(sparse_attention, block, n, t):
+def test_sparse_with_topk_covering_every_block_equals_dense(block, n, t):
     g = torch.Generator().manual_seed(block)
     n_kv, group, d = 2, 3, 8
     k_buf, v_buf = torch.randn(300, n_kv, d, generator=g), torch.randn(300, n_kv, d, generator=g)
-    seg = _random_segment(n, t, torch.randperm(300, generator=g))  # slots scattered over the pool
+    slots = _slots(n, 300, g)
     q = torch.randn(t, n_kv * group, d, generator=g)
+    q_pos = torch.arange(n - t, n)
     scores = torch.randn(1, n_kv, t, -(-n // block), generator=g)  # block scores
     topk = -(-n // block)
-    blocks = select_blocks(scores, seg.q_pos, block, topk, init_blocks=0, local_blocks=1)
-    sparse = sparse_attention(q, k_buf, v_buf, blocks, seg, block, d ** -0.5)
-    dense = dense_attention(q, k_buf, v_buf, seg, d ** -0.5)
+    blocks = select_blocks(scores, q_pos[None], block, topk, init_blocks=0, local_blocks=1)[0].transpose(0, 1)
+    keys = slots[None].expand(t, -1)
+    sparse = sparse_attend(q, k_buf, v_buf, keys, blocks, q_pos, block, d ** -0.5)
+    dense = _dense(q, k_buf, v_buf, slots, q_pos, d ** -0.5)
     assert (sparse - dense).abs().max().item() < 1e-5
     # and with a smaller budget it is genuinely different (the test can fail)
-    fewer = select_blocks(scores, seg.q_pos, block, 2, init_blocks=0, local_blocks=1)
+    fewer = select_blocks(scores, q_pos[None], block, 2, init_blocks=0, local_blocks=1)[0].transpose(0, 1)
     if n > 2 * block:
-        assert (sparse_attention(q, k_buf, v_buf, fewer, seg, block, d ** -0.5) - dense).abs().max().item() > 1e-3
+        assert (sparse_attend(q, k_buf, v_buf, keys, fewer, q_pos, block, d ** -0.5) - dense).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("sparse_attention", SPARSE_PATHS)
-def test_sparse_attention_equals_masked_dense_reference(sparse_attention):
-    """Both block-sparse paths equal a naive softmax over exactly the selected, causal keys."""
+def test_sparse_attention_equals_masked_dense_reference():
+    """Block-sparse attention equals a naive softmax over exactly the selected, causal keys."""
     g = torch.Generator().manual_seed(1)
     block, n, t, n_kv, group, d = 4, 45, 45, 2, 2, 8
     k_buf, v_buf = torch.randn(64, n_kv, d, generator=g), torch.randn(64, n_kv, d, generator=g)
-    seg = _random_segment(n, t, torch.randperm(64, generator=g))
+    slots = _slots(n, 64, g)
     q = torch.randn(t, n_kv * group, d, generator=g)
-    blocks = select_blocks(torch.randn(1, n_kv, t, -(-n // block), generator=g), seg.q_pos, block, 3, 1, 1)
-    got = sparse_attention(q, k_buf, v_buf, blocks, seg, block, d ** -0.5).view(t, n_kv, group, d)
-    k, v = k_buf[seg.slots[0]], v_buf[seg.slots[0]]
+    q_pos = torch.arange(t)
+    blocks = select_blocks(torch.randn(1, n_kv, t, -(-n // block), generator=g), q_pos[None], block, 3, 1, 1)[0]
+    got = sparse_attend(q, k_buf, v_buf, slots[None].expand(t, -1), blocks.transpose(0, 1), q_pos, block,
+                        d ** -0.5).view(t, n_kv, group, d)
+    k, v = k_buf[slots], v_buf[slots]
     for h in range(n_kv):
         allowed = torch.zeros(t, n, dtype=torch.bool)
         for ti in range(t):
-            for b in blocks[0, h, ti].tolist():
+            for b in blocks[h, ti].tolist():
                 if b >= 0:
                     allowed[ti, b * block:(b + 1) * block] = True
         allowed &= torch.tril(torch.ones(t, n, dtype=torch.bool))

@@ -3,29 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 import torch
 
 from engine.model.config import load_config
-from engine.model.layers import MoE, Rotary, apply_rope, rope_inv_freq
-from engine.model.linear import cpu_layout
+from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from tests.engine_utils import TINY
 
 
 @pytest.mark.parametrize("dim,rot", [(32, 16), (16, 16), (24, 8)])
-def test_rotation_matrix_rope_equals_elementwise(dim, rot):
+def test_rope_equals_the_spec_written_per_channel_pair(dim, rot):
     g = torch.Generator().manual_seed(dim)
     pos = torch.randint(0, 5000, (7,), generator=g)
-    rope = Rotary(pos, rope_inv_freq(rot, 10000.0), torch.float32)
-    assert rope.use_matrix
-    x = torch.randn(7, 5, dim, generator=g)
-    want = apply_rope(x, rope.cos, rope.sin)
-    assert (rope(x) - want).abs().max().item() < 1e-5
-    u, w = x[..., : rot // 2], x[..., rot // 2: rot]  # the spec's halves form, written out
-    c, s = rope.cos[:, None], rope.sin[:, None]
-    spec = torch.cat([u * c - w * s, w * c + u * s, x[..., rot:]], dim=-1)
-    assert (want - spec).abs().max().item() < 1e-6
+    inv = rope_inv_freq(rot, 10000.0)
+    assert torch.allclose(inv.double(), 10000.0 ** (-torch.arange(0, rot, 2).double() / rot), rtol=1e-6)
+    cos, sin = rope_cos_sin(pos, inv, torch.float64)
+    x = torch.randn(7, 5, dim, generator=g, dtype=torch.float64)
+    got = apply_rope(x, cos, sin)
+    for t in range(7):
+        for i in range(rot // 2):  # model.md §2: u' = u cos a - w sin a, w' = w cos a + u sin a
+            a = float(pos[t].float() * inv[i])  # the angle in fp32, as the model computes it
+            u, w = x[t, :, i], x[t, :, rot // 2 + i]
+            assert torch.allclose(got[t, :, i], u * math.cos(a) - w * math.sin(a), atol=1e-5)
+            assert torch.allclose(got[t, :, rot // 2 + i], w * math.cos(a) + u * math.sin(a), atol=1e-5)
+    assert torch.equal(got[..., rot:], x[..., rot:])
+
+
+def test_gemma_rms_norm():
+    x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
+    want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    assert torch.allclose(rms_norm(x, w, 1e-6), want, atol=1e-12)
 
 
 def _moe(top_k: int, seed: int) -> MoE:
@@ -35,16 +44,14 @@ def _moe(top_k: int, seed: int) -> MoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 1.0))
-            if p.dim() > 1:
-                p.data = cpu_layout(p.data)
-    moe.threads = 2
     return moe
 
 
-def _moe_reference(moe: MoE, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def _moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     """model.md §2.5 written out per token in float64: sigmoid scores, top-k on score + bias,
     weights renormalized, gamma-scaled sum of the chosen SwiGLU-OAI experts, plus the shared expert."""
-    x, out = x.double(), residual.double().clone()
+    x = x.double()
+    out = torch.zeros_like(x)
 
     def mlp(v: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         g, u = (v @ gate_up.double().T).chunk(2, dim=-1)
@@ -62,9 +69,9 @@ def _moe_reference(moe: MoE, x: torch.Tensor, residual: torch.Tensor) -> torch.T
 
 
 @pytest.mark.parametrize("forced", [None, [0, 2, 4], [0, 1, 5], [7, 3, 1]])
-def test_moe_decode_and_grouped_paths_match_reference(forced):
-    """One token (per-token path: evenly spaced experts as one strided batch, others one by one) and
-    16 tokens (grouped path) against the float64 reference."""
+def test_moe_forms_match_reference(forced):
+    """The eager form (tokens grouped by expert) and both static forms of the decode graphs (one
+    token through its gathered experts, several through every expert) against float64."""
     moe = _moe(top_k=3, seed=len(forced or []))
     if forced is not None:  # steer every token to these experts
         with torch.no_grad():
@@ -73,6 +80,10 @@ def test_moe_decode_and_grouped_paths_match_reference(forced):
     g = torch.Generator().manual_seed(1)
     with torch.inference_mode():
         for tokens in (1, 16):
-            x, res = torch.randn(tokens, 256, generator=g), torch.randn(tokens, 256, generator=g)
-            got = moe(x, residual=res)
-            assert (got.double() - _moe_reference(moe, x, res)).abs().max().item() < 1e-4
+            x = torch.randn(tokens, 256, generator=g)
+            want = _moe_reference(moe, x)
+            ids, w = moe.route(x)
+            shared = moe.shared(x)
+            static = moe._gathered(x, ids, w) if tokens == 1 else moe._dense(x, ids, w)
+            for got in (moe(x), static * moe.scale + shared):
+                assert (got.double() - want).abs().max().item() < 1e-4

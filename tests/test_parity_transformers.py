@@ -16,7 +16,7 @@ class Ours:
     """The engine (generate) and the same checkpoint stepped by hand (logits at every position)."""
 
     def __init__(self, path) -> None:
-        self.llm = LLM(path, max_total_tokens=2048, max_running_requests=8, skip_tokenizer_init=True)
+        self.llm = LLM(path, max_total_tokens=2048, max_running_requests=8, skip_tokenizer_init=True, disable_cuda_graph=True)
         self.cfg = self.llm.cfg
         self.paged = PagedModel(load_model(path))
 

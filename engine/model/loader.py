@@ -14,7 +14,6 @@ import torch
 from safetensors import safe_open
 
 from engine.model.config import ModelConfig, load_config
-from engine.model.linear import cpu_layout
 from engine.model.model import MiniMaxM3Model
 from engine.model.weight_names import recipes
 
@@ -22,7 +21,6 @@ logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("mtp.", "vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
 FP32_PARAMS = (".router", ".router_bias")  # kept in fp32 whatever the model dtype (model.md §7.12)
-MATMUL_WEIGHTS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj", "w13", "w2", "lm_head")
 
 
 class CheckpointError(ValueError):
@@ -114,15 +112,11 @@ def init_dummy_weights(model: MiniMaxM3Model, seed: int = 0) -> None:
 
 
 def cast_model(model: MiniMaxM3Model, dtype: torch.dtype, device: torch.device | str) -> MiniMaxM3Model:
-    """Move to `device` and cast to `dtype`, except the router (fp32) and the RoPE table (fp32); on CPU
-    the matmul weights are stored transposed for the split decode matmul (`engine.linear`)."""
+    """Move to `device` and cast to `dtype`, except the router (fp32) and the RoPE table (fp32)."""
     model.to(device)
-    cpu = torch.device(device).type == "cpu"
     for name, p in model.named_parameters():
         if not name.endswith(FP32_PARAMS):
             p.data = p.data.to(dtype)
-        if cpu and name.rsplit(".", 1)[-1] in MATMUL_WEIGHTS:
-            p.data = cpu_layout(p.data)
     return model
 
 
@@ -142,6 +136,4 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
         logger.info("loaded weights from %s", model_dir)
     else:
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
-    model = cast_model(model, dtype, device).eval()
-    model.finalize(threads=torch.get_num_threads() if torch.device(device).type == "cpu" else 1)
-    return model
+    return cast_model(model, dtype, device).eval()

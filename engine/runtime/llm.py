@@ -18,8 +18,10 @@ Prompt = str | list[int]
 
 class LLM:
     def __init__(self, model_path: str | Path, **kwargs: Any) -> None:
-        """kwargs are EngineArgs fields (device, dtype, max_total_tokens, chunked_prefill_size, ...)."""
+        """kwargs are EngineArgs fields (device, dtype, max_total_tokens, chunked_prefill_size, ...). The
+        decode graphs are compiled here, as a server does at start (`disable_cuda_graph=True`: eager)."""
         self.engine = Engine(EngineArgs(model_path=str(model_path), **kwargs))
+        self.engine.warm_up()
         self.tokenizer = self.engine.tokenizer
         self.cfg = self.engine.cfg
 

@@ -1,15 +1,21 @@
-"""ModelRunner: the model and its KV pool. Turns a scheduled batch into a ForwardBatch, runs the model
-and returns logits for the rows the caller asks for."""
+"""ModelRunner: the model and its KV pool. A scheduled batch becomes an extend (`ForwardBatch`, run
+eager) or, when every request feeds one token, a fixed-shape decode step (`DecodeBatch`), run by a
+captured graph when one covers its batch size; logits come back for the rows the caller asks for."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.model.forward_batch import ForwardBatch
+from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
+from engine.runtime.decode_graph import DecodeGraphs, graph_buckets
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.scheduler import ScheduledBatch
 from mem_cache import MiniMaxSparseKVPool
+
+# NOTE: decode keys are padded (the padding masked) up to a multiple of KEY_BUCKET on CPU, to a power
+# of two (at least KEY_BUCKET) on CUDA, where each key length a graph sees is one more recorded graph.
+KEY_BUCKET = 64
 
 
 class ModelRunner:
@@ -17,15 +23,40 @@ class ModelRunner:
         self.model, self.pool = model, pool
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
+        c = model.cfg
+        # NOTE: decode keys span at least K + 1 blocks, so a graph always sees more blocks than it
+        # selects: no shape-specialized branch, no recompile as a context grows.
+        self.min_keys = (c.topk_blocks + 1) * c.block_size if c.any_sparse else KEY_BUCKET
+        buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
+        self.graphs = DecodeGraphs(self.decode_step, buckets, self.device, self.min_keys)
 
     def captured_batch_sizes(self) -> tuple[int, ...]:
-        return ()
+        return self.graphs.ready()
 
     def warm_up(self) -> None:
-        pass
+        self.graphs.warm_up()
 
+    @torch.no_grad()
+    def decode_step(self, batch: DecodeBatch) -> torch.Tensor:
+        """fp32 logits of every row of a decode step: the function the graphs capture."""
+        return self.model.compute_logits(self.model(batch, self.pool))
+
+    @torch.no_grad()
     def forward(self, batch: ScheduledBatch, table: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:
         """fp32 logits of the batch's flattened tokens at `logit_rows`; `table` maps (row, position) -> slot."""
+        rows = torch.tensor(logit_rows, dtype=torch.int64, device=self.device)
+        if all(len(x) == 1 for x in batch.new_ids):
+            return self.graphs.run(self.decode_batch(batch, table))[rows]
         fb = ForwardBatch.build(batch.rows, batch.prefix_lens, batch.new_ids, batch.out_cache_loc, table, self.device)
-        hidden = self.model(fb, self.pool)
-        return self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.int64, device=self.device)])
+        return self.model.compute_logits(self.model(fb, self.pool)[rows])
+
+    def decode_batch(self, batch: ScheduledBatch, table: torch.Tensor) -> DecodeBatch:
+        """The step's fixed-shape inputs; keys padded to a multiple of KEY_BUCKET (padding is masked)."""
+        need = max(batch.prefix_lens) + 1
+        n = -(-need // KEY_BUCKET) * KEY_BUCKET if self.device.type == "cpu" else max(KEY_BUCKET, 1 << (need - 1).bit_length())
+        n = min(max(n, self.min_keys), table.shape[1])
+        dev = self.device
+        return DecodeBatch(torch.tensor([x[0] for x in batch.new_ids], dtype=torch.int64, device=dev),
+                           torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev),
+                           batch.out_cache_loc.to(dev, torch.int64),
+                           table[torch.tensor(batch.rows, device=table.device), :n].to(dev, torch.int64))

@@ -1,0 +1,138 @@
+"""Captured decode (inductor graphs per batch-size bucket) against the same step run eager.
+
+For a transformers configuration with dense and sparse layers (GQA 4, partial RoPE) and for
+configs/tiny cut to three layers (one of each kind: dense, sparse with the index-value branch, sparse
+K-only; MoE; dummy weights), since a graph's compile time grows with its layer count: greedy tokens equal and logits
+within 1e-5 at batch 1, 3 (padded to bucket 4) and 4, over steps that cross a block boundary; decode
+after a prefix-cache hit; padding rows touch only the padding slot; warm-up keeps /health at 503.
+The transformers configuration captures one bucket (4: batches 1 and 3 are padded to it), the tiny cut
+captures two (1 and 4: the batch-1 graph and the dynamic one), which keeps the compiles few.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from engine_utils import TINY, make_engine, solo
+from hf_models import build_hf_model
+
+from engine.model.forward_batch import DecodeBatch
+from engine.model.loader import load_model
+from engine.runtime.scheduler import ScheduledBatch
+from tests.forward_utils import PagedModel
+from tests.server_utils import start_server
+
+BUCKETS = [1, 4]  # NOTE: tiny3 runs with 4096 KV slots and 64 request rows everywhere, so the graphs
+# compiled by the first test load from the inductor cache in the others (shapes are part of the key)
+
+
+@pytest.fixture(scope="module")
+def tiny3(tmp_path_factory) -> Path:
+    """configs/tiny's config and tokenizer with three layers, one of each kind (no weights: dummy)."""
+    path = tmp_path_factory.mktemp("tiny3")
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(TINY) / f, path / f)
+    cfg = json.loads((Path(TINY) / "config.json").read_text())
+    sparse = cfg["sparse_attention_config"]
+    cfg.update(num_hidden_layers=3, moe_layer_freq=[0, 1, 1])
+    sparse.update(sparse_attention_freq=[0, 1, 1], sparse_disable_index_value=[0, 0, 1])
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.fixture(scope="module", params=["mixed_b4_gqa4", "tiny3"])
+def paged(request, tmp_path_factory, tiny3):
+    if request.param == "tiny3":
+        return PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
+    path = tmp_path_factory.mktemp(request.param)
+    build_hf_model(request.param, path)
+    return PagedModel(load_model(path), graph_buckets=[4])
+
+
+def _decode_batch(p: PagedModel, kvs: list, tokens: list[int]) -> DecodeBatch:
+    prefix = [kv.num_computed for kv in kvs]
+    loc = p.kv.allocate([(kv, 1) for kv in kvs])
+    return p.runner.decode_batch(ScheduledBatch([], [kv.row for kv in kvs], prefix, [[t] for t in tokens], loc), p.kv.table)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_captured_decode_equals_eager(paged, rows):
+    cfg = paged.runner.model.cfg
+    b = cfg.block_size
+    g = torch.Generator().manual_seed(rows)
+    lengths = [b * (cfg.topk_blocks + 1) - 2 + 3 * r for r in range(rows)]  # past the top-k budget, near a block edge
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    kvs = [paged.kv.admit([]) for _ in prompts]
+    last = [int(x[-1].argmax()) for x in paged.step(kvs, prompts)]
+    for _ in range(6):  # each row crosses a block boundary within these steps
+        batch = _decode_batch(paged, kvs, last)
+        assert paged.runner.graphs.bucket(rows) in paged.runner.captured_batch_sizes()
+        captured = paged.runner.graphs.run(batch)
+        eager = paged.runner.decode_step(batch)  # writes the same K/V again: same values
+        assert captured.shape == eager.shape == (rows, cfg.vocab_size)
+        assert (captured - eager).abs().max().item() < 1e-5
+        assert captured.argmax(-1).tolist() == eager.argmax(-1).tolist()
+        last = eager.argmax(-1).tolist()
+    for kv, p in zip(kvs, prompts):
+        paged.kv.release(kv, p + [0] * (kv.num_computed - len(p)))
+    assert paged.kv.check_integrity()
+
+
+def test_padding_rows_touch_only_the_padding_slot(tiny3):
+    p = PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
+    kvs = [p.kv.admit([]) for _ in range(3)]
+    p.step(kvs, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
+    batch = _decode_batch(p, kvs, [1, 2, 3])
+    written = set(batch.out_cache_loc.tolist())
+    before = [t.clone() for sub in p.pool.sub_pools() for t in sub.tensors()]
+    p.runner.graphs.run(batch)  # 3 rows in bucket 4: one padding row
+    after = [t for sub in p.pool.sub_pools() for t in sub.tensors()]
+    for a, b in zip(before, after):
+        changed = set((a != b).flatten(1).any(dim=1).nonzero().flatten().tolist())
+        assert changed <= written | {0}, f"slots {changed - written - {0}} changed"
+    assert p.kv.check_integrity()
+
+
+def test_engine_with_graphs_matches_eager_after_a_prefix_hit(tiny3):
+    graphs = make_engine(model_path=str(tiny3), cuda_graph_bs=BUCKETS, disable_cuda_graph=False)
+    graphs.warm_up()
+    eager = make_engine(model_path=str(tiny3), disable_radix_cache=True)
+    shared = list(range(10, 150))
+    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    first = solo(graphs, shared + [7, 8], **params)
+    hit = solo(graphs, shared + [9], **params)
+    assert hit.cached_tokens >= 140 and first.cached_tokens == 0
+    assert hit.output_ids == solo(eager, shared + [9], **params).output_ids
+    assert graphs.check_integrity() and graphs.stats().captured_batch_sizes == tuple(BUCKETS)
+
+
+def test_warm_up_keeps_health_at_503_then_reports_the_buckets(tmp_path, tiny3):
+    srv = start_server("--cuda-graph-bs", "1", "4", "--model-path", str(tiny3), "--max-total-tokens", "4096",
+                       log_dir=tmp_path, wait=0)
+    try:
+        saw_warming, deadline = False, time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                r = httpx.get(srv.url + "/health", timeout=2)
+            except httpx.HTTPError:
+                time.sleep(0.2)
+                continue
+            if r.status_code == 200:
+                break
+            saw_warming |= r.status_code == 503 and "warming up" in r.text
+            time.sleep(0.2)
+        assert saw_warming and r.status_code == 200
+        info = httpx.get(srv.url + "/server_info", timeout=10).json()
+        assert info["captured_decode_batch_sizes"] == [1, 4] and info["status"] == "ready"
+        assert "decode graph 2/2: batch 4 ready" in srv.logs()
+        out = httpx.post(srv.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}},
+                         timeout=60).json()
+        assert out["meta_info"]["completion_tokens"] == 4
+    finally:
+        srv.terminate()
