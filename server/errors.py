@@ -17,6 +17,7 @@ class ApiError(Exception):
     def __init__(self, status: int, message: str, extra: dict | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.extra = status, message, extra or {}
+        self.logged = False  # True once the request's access-log line is written
 
 
 def media_type(content_type: str) -> str:

@@ -1,5 +1,5 @@
 """Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated
-`/get_*` aliases), /tokenize, /detokenize and /metrics (http_api.md §3)."""
+`/get_*` aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3)."""
 
 from __future__ import annotations
 
@@ -132,6 +132,14 @@ def _tokenizer(state: ServerState) -> Any:
     if state.tokenizer is None:
         raise ApiError(400, "this server runs with --skip-tokenizer-init: it has no tokenizer.")
     return state.tokenizer
+
+
+@router.get("/get_load")
+async def get_load(request: Request) -> list[dict[str, int]]:
+    """SGLang's load report, one entry per data-parallel rank (we have one): sglang-router's load signal."""
+    st = _state(request).engine.stats()
+    return [{"dp_rank": 0, "num_reqs": st.num_running + st.num_waiting, "num_waiting_reqs": st.num_waiting,
+             "num_tokens": st.used_tokens}]
 
 
 @router.post("/tokenize")

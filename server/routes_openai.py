@@ -95,10 +95,12 @@ def _check(state: ServerState, req: SamplingFields) -> Tokenizer:
     if (problem := req.unsupported()) is not None:
         raise ApiError(400, problem)
     if req.model != state.model_name and req.model not in MODEL_ALIASES:
-        raise ApiError(404, f"The model '{req.model}' does not exist (this server serves '{state.model_name}').")
+        raise ApiError(404, f"The model '{req.model}' does not exist (this server serves '{state.model_name}').",
+                       {"param": "model"})
     cap = state.args.max_logprobs
     if req.prompt_logprobs is not None and not (req.prompt_logprobs == -1 or 0 <= req.prompt_logprobs <= cap):
-        raise ApiError(400, f"prompt_logprobs must be -1 or in [0, {cap}] (--max-logprobs), got {req.prompt_logprobs}.")
+        raise ApiError(400, f"prompt_logprobs must be -1 or in [0, {cap}] (--max-logprobs), got {req.prompt_logprobs}.",
+                       {"param": "prompt_logprobs"})
     if state.tokenizer is None:
         raise ApiError(400, "the OpenAI routes need a tokenizer; this server runs with --skip-tokenizer-init.")
     return state.tokenizer
@@ -146,7 +148,7 @@ async def completions(request: Request) -> Response:
     tok = _check(state, req)
     if req.logprobs is not None and req.logprobs > min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs):
         raise ApiError(400, f"logprobs must be at most {min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)}, "
-                            f"got {req.logprobs}.")
+                            f"got {req.logprobs}.", {"param": "logprobs"})
     prompts, given = _completion_prompts(tok, req.prompt)
     max_tokens, cap = req.max_tokens, state.args.engine.max_new_tokens_cap
     if "max_tokens" not in req.model_fields_set and cap is not None and max_tokens is not None:
@@ -205,7 +207,7 @@ async def chat_completions(request: Request) -> Response:
         raise ApiError(400, "top_logprobs needs logprobs to be true.")
     if req.top_logprobs is not None and req.top_logprobs > state.args.max_logprobs:
         raise ApiError(400, f"top_logprobs must be at most {state.args.max_logprobs} (--max-logprobs), "
-                            f"got {req.top_logprobs}.")
+                            f"got {req.top_logprobs}.", {"param": "top_logprobs"})
     prompt = chat_prompt_ids(tok, req)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None

@@ -60,6 +60,7 @@ class Submission:
                 err = server_error(out)
                 self._done(i, err.status if err else 200)
                 if err is not None:
+                    err.logged = True  # its access-log line is written: the error handler adds none
                     raise err
             yield i, out
 
@@ -98,9 +99,15 @@ class Submission:
         res = self.joined[i]
         last = res.last
         reason = ((last.finish_reason or {}).get("type") if last and last.finished else "client_gone")
-        logger.info("rid=%s prompt_tokens=%s completion_tokens=%d latency=%.3fs status=%d finish=%s route=%s",
-                    res.rid, last.prompt_tokens if last else "-", len(res.output_ids),
-                    time.monotonic() - self.started, status, reason, self.route)
+        log_access(res.rid, last.prompt_tokens if last else "-", len(res.output_ids), time.monotonic() - self.started,
+                   status, reason, self.route)
+
+
+def log_access(rid: str, prompt_tokens: int | str, completion_tokens: int, latency: float, status: int,
+               finish: str | None, route: str) -> None:
+    """The one access-log line of a request (every route; refused requests too, from server.app)."""
+    logger.info("rid=%s prompt_tokens=%s completion_tokens=%d latency=%.3fs status=%d finish=%s route=%s",
+                rid, prompt_tokens, completion_tokens, latency, status, finish, route)
 
 
 async def wait_disconnect(request: Request) -> None:

@@ -125,9 +125,45 @@ def test_an_idle_server_uses_no_cpu(srv, client):
     assert used < 0.1, f"an idle server used {used:.2f} s of CPU in 3 s"
 
 
+def test_the_idle_engine_thread_blocks_until_a_submission_wakes_it():
+    """No poll interval: the engine thread makes one blocking wait_for_work call while idle (a poll loop
+    would return from it again and again), and a submission wakes that call (it has no timeout)."""
+    calls: list[float | None] = []
+
+    def build():
+        engine = make_engine(max_total_tokens=4096)
+        wait = engine.wait_for_work
+
+        def counted(timeout: float | None = None) -> bool:
+            calls.append(timeout)
+            return wait(timeout)
+
+        engine.wait_for_work = counted
+        return engine
+
+    async def main() -> list[int]:
+        ae = AsyncEngine(build)
+        ae.start(asyncio.get_running_loop())
+        seen = []
+        try:
+            for _ in range(3):
+                await asyncio.sleep(0.5)  # idle: the thread sits in one call
+                seen.append(len(calls))
+                _, channel = ae.submit([NewRequest([5, 6, 7], SamplingParams(max_new_tokens=1))])
+                await asyncio.wait_for(channel.get(), timeout=30)
+        finally:
+            ae.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert all(t is None for t in calls), calls
+    assert seen[0] == 1 and seen[1] - seen[0] <= 3 and seen[2] - seen[1] <= 3, seen
+
+
 def test_first_token_is_not_delayed_by_a_poll_interval():
     """TTFT at idle, through the sleeping engine thread, against the same prefill stepped directly on
-    that thread (the only one that runs torch)."""
+    that thread (the only one that runs torch) after the same idle time: both start from a machine at
+    rest (parked OpenMP workers, cold caches), so what differs is how the engine thread wakes."""
     prompt = list(range(5, 205))
     prefill: list[float] = []
 
@@ -137,6 +173,7 @@ def test_first_token_is_not_delayed_by_a_poll_interval():
     def build():
         engine = make_engine(max_total_tokens=4096, disable_radix_cache=True)
         for _ in range(8):
+            time.sleep(0.2)
             engine.add_requests([req()])
             t = time.perf_counter()
             while engine.has_work():

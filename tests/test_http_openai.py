@@ -489,3 +489,10 @@ def test_client_gone_before_first_frame_aborts_all() -> None:
     with pytest.raises((OSError, ClientDisconnect)):
         asyncio.run(resp({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send))
     assert fake.aborted == ["a"]  # no frame was ever produced, so only the response's close could abort it
+
+
+def test_default_logprob_cap_is_vllms_20(http: httpx.Client) -> None:
+    body = {"messages": CHAT, "max_tokens": 1, "logprobs": True}
+    r = http.post("/v1/chat/completions", json=body | {"top_logprobs": 21})
+    assert r.status_code == 400 and "20" in r.json()["message"] and r.json()["param"] == "top_logprobs"
+    assert http.post("/v1/chat/completions", json=body | {"top_logprobs": 20}).status_code == 200

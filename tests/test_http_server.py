@@ -127,7 +127,7 @@ def test_metrics_parse_and_count_the_requests_made(srv, client):
 # ---- API key -------------------------------------------------------------------------------------------
 def _all_routes() -> list[tuple[str, str]]:
     """Every (method, path) the app serves, from its OpenAPI schema plus the docs routes, path parameters
-    filled in, /health excepted."""
+    filled in, the open probe routes (/health, /liveness) excepted."""
     from server.app import create_app
     from server.args import ServerArgs
     from server.state import ServerState
@@ -144,18 +144,18 @@ def _all_routes() -> list[tuple[str, str]]:
         while "{" in path:
             start = path.index("{")
             path = path[:start] + "x" + path[path.index("}", start) + 1:]
-        if path != "/health":
+        if path not in ("/health", "/liveness"):
             out.append((method, path))
     return out
 
 
-def test_api_key_guards_every_route_but_health():
+def test_api_key_guards_every_route_but_the_probes():
     routes = _all_routes()
     paths = {p for _, p in routes}
     assert {"/generate", "/pools", "/pools/layers/0/buffers/key", "/metrics", "/server_info", "/model_info",
             "/abort_request", "/flush_cache", "/health_generate"} <= paths
     with live_server("--api-key", "sekrit", "--max-total-tokens", "4096") as s, s.client() as c:
-        assert c.get("/health").status_code == 200
+        assert c.get("/health").status_code == c.get("/liveness").status_code == 200
         for method, path in routes:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
                 r = c.request(method, path, headers=headers)
@@ -190,10 +190,11 @@ def test_sigterm_under_load_finishes_or_aborts_everything_and_exits_0():
                 srv.proc.send_signal(signal.SIGTERM)
                 await asyncio.sleep(0.3)
                 late = await c.post("/generate", json={"text": "too late"})
-                health = await c.get("/health")
-                return await asyncio.gather(*long), await asyncio.gather(*short), late.status_code, health.status_code
+                health, live = await c.get("/health"), await c.get("/liveness")
+                return (await asyncio.gather(*long), await asyncio.gather(*short), late.status_code,
+                        (health.status_code, live.status_code))
         long, short, late, health = asyncio.run(run())
-        assert late == 503 and health == 503
+        assert late == 503 and health == (503, 200)  # draining: not ready, but alive
         assert [r.json()["meta_info"]["finish_reason"] for r in short] == [{"type": "length", "length": 8}] * 4
         for frames in long:
             assert frames[-1]["meta_info"]["finish_reason"]["type"] == "abort"

@@ -1,4 +1,4 @@
-"""Security properties against live servers: the API key on every route but /health (path tricks
+"""Security properties against live servers: the API key on every route but the probes /health and /liveness (path tricks
 included), loopback by default, CORS only for named origins, no tensor contents in any response, no
 request field that names a file to load, and request bodies limited before parsing (chunked too).
 """
@@ -61,17 +61,18 @@ def plain():
 
 
 # ---- API key ---------------------------------------------------------------------------------------------
-def test_every_route_of_the_app_needs_the_key_but_health(keyed):
+def test_every_route_of_the_app_needs_the_key_but_the_probes(keyed):
     srv, c = keyed
     routes = _every_route()
-    assert ("GET", "/health") in routes and ("POST", "/generate") in routes and ("HEAD", "/docs") in routes
+    assert ("GET", "/health") in routes and ("GET", "/liveness") in routes and ("POST", "/generate") in routes
+    assert ("HEAD", "/docs") in routes
     assert len(routes) >= 28
     for method, path in routes:
         for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}, {"Authorization": f"bearer {KEY}"},
                         {"Authorization": f"Bearer {KEY}x"}, {"X-API-Key": KEY}):
             r = c.request(method, path, headers=headers)
-            if path == "/health":
-                assert r.status_code == 200, (method, headers)
+            if path in ("/health", "/liveness"):  # the kubelet's probes carry no key
+                assert r.status_code == 200, (method, path, headers)
                 continue
             assert r.status_code == 401, (method, path, headers, r.status_code)
             if method != "HEAD":
