@@ -1,0 +1,69 @@
+"""The training code against the engine: its forward gives the engine's logits, the indexer loss is a
+KL divergence, and exported weights load back into the same model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from engine_utils import TINY
+
+from engine.model.loader import load_model
+from tests.forward_utils import PagedModel
+from training.export import export_safetensors
+from training.forward import forward
+
+
+def test_training_forward_equals_the_engine_forward():
+    model = load_model(TINY, load_format="dummy", seed=3)
+    c = model.cfg
+    n = (c.topk_blocks + 3) * c.block_size + 5  # more blocks than the top-k: sparse layers select
+    ids = torch.randint(0, c.vocab_size, (2, n), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        got, aux = forward(model, ids)
+    paged = PagedModel(model, size=4096)
+    for row in range(2):
+        want = paged.logits(ids[row].tolist())
+        assert (got[row] - want).abs().max().item() < 1e-4
+    assert len(aux.indexer_kl) == sum(k != "dense" for k in c.layer_kinds)
+    assert all(kl.item() >= 0 for kl in aux.indexer_kl)
+    assert len(aux.routes) == sum(c.moe_layers) and aux.routes[0].shape == (2 * n, c.num_experts_per_tok)
+
+
+def test_the_language_model_loss_reaches_every_non_indexer_weight():
+    model = load_model(TINY, load_format="dummy", seed=6)
+    ids = torch.randint(0, model.cfg.vocab_size, (1, 3 * model.cfg.block_size), generator=torch.Generator().manual_seed(2))
+    logits, _ = forward(model, ids, indexer_loss=False)
+    F.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    idle = [n for n, p in model.named_parameters()
+            if (p.grad is None or p.grad.abs().sum() == 0) and "index" not in n and "router_bias" not in n]
+    assert idle == []
+
+
+def test_indexer_loss_trains_only_the_indexer_and_is_zero_when_it_matches():
+    model = load_model(TINY, load_format="dummy", seed=4)
+    c = model.cfg
+    ids = torch.randint(0, c.vocab_size, (1, 3 * c.block_size), generator=torch.Generator().manual_seed(1))
+    _, aux = forward(model, ids)
+    torch.stack(aux.indexer_kl).sum().backward()
+    attn = model.layers[c.layer_kinds.index("sparse_k_only")].self_attn
+    assert attn.index_q_norm.grad is not None and attn.index_q_norm.grad.abs().sum() > 0
+    assert model.embed_tokens.weight.grad is None or model.embed_tokens.weight.grad.abs().sum() == 0
+    p = torch.softmax(torch.randn(4, 6), -1)  # the KL itself: 0 iff the distributions agree
+    assert F.kl_div(p.log(), p, reduction="batchmean").abs() < 1e-6
+
+
+def test_exported_weights_load_back_identically(tmp_path):
+    model = load_model(TINY, load_format="dummy", seed=5)
+    with torch.no_grad():  # export writes bf16 (the router stays fp32): round first, then compare exactly
+        for name, p in model.named_parameters():
+            if not name.endswith(("router", "router_bias")):
+                p.copy_(p.to(torch.bfloat16).float())
+    for f in ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(Path(TINY) / f, tmp_path / f)
+    export_safetensors(model, tmp_path / "model.safetensors")
+    back = load_model(tmp_path)
+    for (name, a), (_, b) in zip(model.named_parameters(), back.named_parameters()):
+        assert torch.equal(a, b), name

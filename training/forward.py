@@ -1,0 +1,128 @@
+"""The training forward of our model: whole sequences [B, T], dense tensors, autograd, no KV pool.
+
+It reads the engine model's own parameters and calls the engine's math (norms, RoPE, SwiGLU-OAI,
+routing, the indexer's block scores and selection), so the only new code is the dense attention
+layout; `tests/test_training.py` checks its logits against the engine's paged forward within 1e-4.
+
+Sparse layers attend to their selected blocks exactly as the engine does. The indexer gets a
+training signal (its top-k is not differentiable): a KL divergence from the main attention's mass
+per block (summed over each KV group's query heads, no gradient) to the softmax of its block scores,
+computed from a detached input so that it trains only the indexer (DeepSeek-V3.2's recipe, per block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.indexer import block_scores, select_blocks
+from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin
+from engine.model.model import Attention, MiniMaxM3Model
+
+NEG_INF = float("-inf")
+
+
+@dataclass
+class Aux:
+    indexer_kl: list[torch.Tensor] = field(default_factory=list)  # one mean KL per sparse layer
+    recall: list[torch.Tensor] = field(default_factory=list)  # per sparse layer (bench/quality.py)
+    routes: list[torch.Tensor] = field(default_factory=list)  # expert ids [B*T, k] per MoE layer
+
+
+def forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool = True) -> tuple[torch.Tensor, Aux]:
+    """Logits [B, T, V] (fp32) of token ids [B, T] (each row a sequence from position 0), and the aux terms."""
+    b, t = ids.shape
+    aux = Aux()
+    x = model.embed_tokens(ids).view(b * t, -1)
+    cos, sin = rope_cos_sin(torch.arange(t, device=ids.device).repeat(b), model.inv_freq, x.dtype)
+    causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
+    for layer in model.layers:
+        y = layer.input_layernorm(x)
+        x = x + _attention(layer.self_attn, y, (cos, sin), b, t, causal, aux, indexer_loss)
+        y = layer.post_attention_layernorm(x)
+        if isinstance(layer.mlp, MoE):
+            r, w = layer.mlp.route(y)
+            aux.routes.append(r)
+            out = layer.mlp._grouped(y, r, w) * layer.mlp.scale
+            x = x + (out if layer.mlp.shared is None else out + layer.mlp.shared(y))
+        else:
+            x = x + layer.mlp(y)
+    return model.compute_logits(model.norm(x)).view(b, t, -1), aux
+
+
+def _heads(a: Attention, parts: list[torch.Tensor], cos_sin, b: int, t: int):
+    c = a.cfg
+
+    def head(y: torch.Tensor, n: int, norm: torch.Tensor) -> torch.Tensor:  # [B*T, n, d] -> [B, n, T, d]
+        h = apply_rope(rms_norm(y.reshape(b * t, n, -1), norm, c.rms_norm_eps), *cos_sin)
+        return h.view(b, t, n, -1).transpose(1, 2)
+
+    q, k = head(parts[0], c.num_heads, a.q_norm), head(parts[1], c.num_kv_heads, a.k_norm)
+    v = parts[-2 if a.kind == "sparse_index_kv" else -1].view(b, t, c.num_kv_heads, -1).transpose(1, 2)
+    iq = ik = None
+    if a.kind != "dense":
+        iq, ik = head(parts[2], c.index_num_heads, a.index_q_norm), head(parts[3], 1, a.index_k_norm)
+    return q, k, v, iq, ik, head
+
+
+def _attention(a: Attention, x: torch.Tensor, cos_sin, b: int, t: int, causal: torch.Tensor, aux: Aux,
+               indexer_loss: bool) -> torch.Tensor:
+    c = a.cfg
+    parts = list(F.linear(x, a.qkv_proj).split(a.splits, dim=-1))
+    q, k, v, iq, ik, head = _heads(a, parts, cos_sin, b, t)
+    scale, g = c.head_dim ** -0.5, c.num_heads // c.num_kv_heads
+    if a.kind == "dense" or t <= c.topk_blocks * c.block_size:  # every visible block selected: dense
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        pos = torch.arange(t, device=x.device)
+        with torch.no_grad():
+            scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), c.block_size)
+            blocks = select_blocks(scores, pos.expand(b, t), c.block_size, c.topk_blocks, c.init_blocks,
+                                   c.local_blocks)  # [B, n_kv, T, K]
+            keep = torch.zeros(b, c.num_kv_heads, t, scores.shape[-1] + 1, dtype=torch.bool, device=x.device)
+            keep.scatter_(-1, torch.where(blocks < 0, scores.shape[-1], blocks), True)  # -1 -> a spare column
+            keep = keep[..., :-1].repeat_interleave(c.block_size, dim=-1)[..., :t] & causal
+        bias = torch.zeros(keep.shape, dtype=q.dtype, device=x.device).masked_fill(~keep, NEG_INF)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.repeat_interleave(g, dim=1), scale=scale,
+                                           enable_gqa=True)
+    if a.kind != "dense" and indexer_loss and t > c.block_size:
+        kl, mass = _indexer_kl(a, x, cos_sin, q, k, b, t, causal, head)
+        aux.indexer_kl.append(kl)
+        if t > c.topk_blocks * c.block_size:
+            aux.recall.append(_recall(mass, blocks, c.topk_blocks, c.block_size))
+    o = o.transpose(1, 2).reshape(b * t, -1)
+    if a.kind == "sparse_index_kv":  # index-value branch: dense causal over the whole history
+        iv = parts[-1].view(b, t, 1, -1).transpose(1, 2)
+        u = F.scaled_dot_product_attention(iq, ik, iv, is_causal=True, scale=c.index_head_dim ** -0.5, enable_gqa=True)
+        o = torch.cat([o, u.transpose(1, 2).reshape(b * t, -1)], dim=-1)
+    return F.linear(o, a.o_proj)
+
+
+def _recall(mass: torch.Tensor, blocks: torch.Tensor, topk: int, block_size: int) -> torch.Tensor:
+    """The share of the true top-k blocks' attention mass that the chosen blocks hold, mean over the
+    queries that see more than top-k blocks. mass [B, n_kv, T, nb], blocks [B, n_kv, T, K] (-1 unused)."""
+    chosen = (mass.gather(-1, blocks.clamp(min=0)) * (blocks >= 0)).sum(-1)
+    best = mass.topk(topk, dim=-1).values.sum(-1)
+    return (chosen / best)[:, :, topk * block_size:].mean()
+
+
+def _indexer_kl(a: Attention, x: torch.Tensor, cos_sin, q: torch.Tensor, k: torch.Tensor, b: int, t: int,
+                causal: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(main attention mass per block || softmax of the indexer's block scores), per query, mean; and
+    that mass per block [B, n_kv, T, nb]."""
+    c, bs = a.cfg, a.cfg.block_size
+    nb = -(-t // bs)
+    with torch.no_grad():
+        p = torch.softmax((q @ k.repeat_interleave(c.num_heads // c.num_kv_heads, 1).transpose(-1, -2)
+                           * c.head_dim ** -0.5).float().masked_fill(~causal, NEG_INF), dim=-1)
+        p = p.view(b, c.num_kv_heads, -1, t, t).sum(2)  # [B, n_kv, T, T]: each KV group's query heads
+        target = F.pad(p, (0, nb * bs - t)).view(b, c.num_kv_heads, t, nb, bs).sum(-1)
+        target = target / target.sum(-1, keepdim=True)
+    rows = F.linear(x.detach(), a.qkv_proj[sum(a.splits[:2]):sum(a.splits[:4])])  # index q, k only
+    iq, ik = head(rows[:, :a.splits[2]], c.index_num_heads, a.index_q_norm), head(rows[:, a.splits[2]:], 1, a.index_k_norm)
+    scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), bs)  # [B, n_I, T, nb]
+    logq = torch.log_softmax(scores, dim=-1)
+    kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), torch.zeros_like(target))
+    return kl.sum(-1).mean(), target
