@@ -6,7 +6,6 @@ so bad input is a 400 (flat OpenAI envelope, server/errors.py) even for `stream:
 
 from __future__ import annotations
 
-import time
 import uuid
 from typing import Any, TypeVar
 
@@ -17,31 +16,12 @@ from pydantic import BaseModel, ValidationError
 from engine.runtime.request import LogprobOptions, NewRequest
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
-from server.errors import ApiError, media_type, not_json_message, sse_error
-from server.openai_format import (
-    chat_logprobs,
-    chat_prompt_ids,
-    completion_logprobs,
-    finish_fields,
-    prompt_logprobs,
-    usage_of,
-)
-from server.openai_protocol import (
-    WEIGHT_VERSION,
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatStreamChoice,
-    ChoiceLogprobs,
-    CompletionChoice,
-    CompletionRequest,
-    CompletionResponse,
-    SamplingFields,
-)
+from server.errors import ApiError, media_type, not_json_message
+from server.openai_format import chat_prompt_ids
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from server.openai_shaper import ChatShaper, CompletionShaper
 from server.state import ServerState
-from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
+from server.submission import Submission
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -128,10 +108,6 @@ def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], m
     return sub
 
 
-def _sse(model: BaseModel, drop: set[str] | None = None) -> str:
-    return f"data: {model.model_dump_json(exclude=drop)}\n\n"
-
-
 # ---- /v1/completions ------------------------------------------------------------------------------------
 def _completion_prompts(tok: Tokenizer, prompt: Any) -> tuple[list[list[int]], list[Any]]:
     """(token ids per prompt, the prompts as given) from the four accepted shapes."""
@@ -146,55 +122,16 @@ async def completions(request: Request) -> Response:
     state = _state(request)
     req = await _parse(request, CompletionRequest)
     tok = _check(state, req)
-    if req.logprobs is not None and req.logprobs > min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs):
-        raise ApiError(400, f"logprobs must be at most {min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)}, "
-                            f"got {req.logprobs}.", {"param": "logprobs"})
+    cap = min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
+    if req.logprobs is not None and req.logprobs > cap:
+        raise ApiError(400, f"logprobs must be at most {cap}, got {req.logprobs}.", {"param": "logprobs"})
     prompts, given = _completion_prompts(tok, req.prompt)
     max_tokens, cap = req.max_tokens, state.args.engine.max_new_tokens_cap
     if "max_tokens" not in req.model_fields_set and cap is not None and max_tokens is not None:
         max_tokens = min(max_tokens, cap)  # the default (16) yields to the server's cap; explicit values do not
     sub = _submit(state, req, prompts, max_tokens, _logprob(state, req, req.logprobs, bool(req.echo)),
                   "/v1/completions")
-    n, echo, head = req.n or 1, bool(req.echo), {"id": sub.id, "created": int(time.time()), "model": req.model}
-    texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in given] if echo else []
-    offsets = [0] * len(sub.rids)
-
-    def choice(i: int, text: str, lp: Any, finished: bool, reason: Any, joined: Any) -> CompletionChoice:
-        logprobs = None
-        if req.logprobs is not None and lp is not None:
-            logprobs, offsets[i] = completion_logprobs(tok, lp, echo, offsets[i])
-        fr, matched = finish_fields(reason if finished else None)
-        plp = prompt_logprobs(tok, joined.logprobs, req.prompt_logprobs, state.args.max_logprobs) if req.prompt_logprobs is not None and finished else None
-        return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=fr, matched_stop=matched,
-                                prompt_logprobs=plp)
-
-    if req.stream:
-        started = [False] * len(sub.rids)
-
-        def frame(i, out):
-            text = (texts[i // n] if echo and not started[i] else "") + out.new_text
-            started[i] = True
-            c = choice(i, text, out.logprobs, out.finished, out.finish_reason, sub.joined[i])
-            if not (text or out.finished or (c.logprobs and c.logprobs.tokens)):
-                return None
-            usage = usage_of([len(p) for p in prompts], sub.joined, n) if req.continuous_usage else None
-            return _sse(CompletionResponse(**head, choices=[c], usage=usage), {"metadata"} | (set() if usage else {"usage"}))
-
-        def tail():
-            if req.include_usage:
-                yield _sse(CompletionResponse(**head, choices=[], usage=usage_of([len(p) for p in prompts],
-                                                                                   sub.joined, n)), {"metadata"})
-
-        return SSEResponse(sse_frames(sub, frame, lambda s, m: sse_error("/v1/completions", s, m), tail=tail), sub)
-    try:
-        joined = await sub.collect(request)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    choices = [choice(i, (texts[i // n] if echo else "") + j.text, j.logprobs, True, j.last.finish_reason, j)
-               for i, j in enumerate(joined)]
-    resp = CompletionResponse(**head, choices=choices, usage=usage_of([len(p) for p in prompts], joined, n),
-                              metadata={"weight_version": WEIGHT_VERSION})
-    return JSONResponse(resp.model_dump(mode="json"))
+    return await CompletionShaper(sub, req, tok, prompts, given, state.args.max_logprobs).respond(request)
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------------------
@@ -212,41 +149,4 @@ async def chat_completions(request: Request) -> Response:
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
     sub = _submit(state, req, [prompt], max_new, _logprob(state, req, top, False), "/v1/chat/completions")
-    n, head = req.n or 1, {"id": sub.id, "created": int(time.time()), "model": req.model}
-    if req.stream:
-        def chunk(choice: ChatStreamChoice) -> str:
-            usage = usage_of([len(prompt)], sub.joined, n) if req.continuous_usage else None
-            return _sse(ChatCompletionChunk(**head, choices=[choice], usage=usage), None if usage else {"usage"})
-
-        def frame(i, out):
-            lines = []
-            entries = chat_logprobs(tok, out.logprobs) if req.logprobs and out.logprobs else []
-            if out.new_text or entries:
-                lp = ChoiceLogprobs(content=entries) if req.logprobs else None
-                lines.append(chunk(ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp)))
-            if out.finished:
-                fr, matched = finish_fields(out.finish_reason)
-                lines.append(chunk(ChatStreamChoice(index=i, delta={}, finish_reason=fr, matched_stop=matched)))
-            return "".join(lines) or None
-
-        def tail():
-            if req.include_usage:
-                yield _sse(ChatCompletionChunk(**head, choices=[], usage=usage_of([len(prompt)], sub.joined, n)))
-
-        roles = tuple(chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
-                      for i in range(len(sub.rids)))
-        return SSEResponse(sse_frames(sub, frame, lambda s, m: sse_error("/v1/chat/completions", s, m), roles,
-                                      tail), sub)
-    try:
-        joined = await sub.collect(request)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    choices = []
-    for i, j in enumerate(joined):
-        fr, matched = finish_fields(j.last.finish_reason)
-        lp = ChoiceLogprobs(content=chat_logprobs(tok, j.logprobs)) if req.logprobs and j.logprobs else None
-        choices.append(ChatChoice(index=i, message=AssistantMessage(content=j.text), logprobs=lp, finish_reason=fr,
-                                  matched_stop=matched))
-    plp = prompt_logprobs(tok, joined[0].logprobs, req.prompt_logprobs, state.args.max_logprobs) if req.prompt_logprobs is not None else None
-    resp = ChatCompletionResponse(**head, choices=choices, usage=usage_of([len(prompt)], joined, n), prompt_logprobs=plp)
-    return JSONResponse(resp.model_dump(mode="json"))
+    return await ChatShaper(sub, req, tok, [prompt], state.args.max_logprobs).respond(request)

@@ -53,46 +53,27 @@ class Sampler:
             raise ValueError(f"sampler got {b} logit rows but params/output_ids/prompt_ids/suppress of "
                              f"lengths {len(params)}/{len(output_ids)}/{len(prompt_ids)}/"
                              f"{'-' if suppress is None else len(suppress)}")
-        dev = logits.device
-        x = logits.float()
-        owned = x is not logits
-
-        def writable() -> torch.Tensor:
-            nonlocal x, owned
-            if not owned:
-                x, owned = x.clone(), True
-            return x
-
-        # logit_bias: one accumulate-scatter of all (row, token, bias) triples.
-        trip = [(i, int(k), float(bias)) for i, p in enumerate(params) for k, bias in (p.logit_bias or {}).items()]
-        if trip:
-            r, c, val = zip(*trip)
-            writable().index_put_((torch.tensor(r, device=dev), torch.tensor(c, device=dev)),
-                                  torch.tensor(val, dtype=torch.float32, device=dev), accumulate=True)
-
-        # repetition penalty over prompt + output tokens (divide positive logits, multiply negative ones).
-        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
-        if rep:
-            seen = _token_counts([list(prompt_ids[i]) + list(output_ids[i]) for i in rep], v, dev) > 0
-            pen = torch.tensor([float(params[i].repetition_penalty) for i in rep], device=dev)[:, None]
-            idx = torch.tensor(rep, device=dev)
-            sub = x[idx]
-            writable()[idx] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
-
-        # frequency / presence penalties over output tokens.
-        fp = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
-        if fp:
-            counts = _token_counts([output_ids[i] for i in fp], v, dev)
-            freq = torch.tensor([float(params[i].frequency_penalty) for i in fp], device=dev)[:, None]
-            pres = torch.tensor([float(params[i].presence_penalty) for i in fp], device=dev)[:, None]
-            idx = torch.tensor(fp, device=dev)
-            writable()[idx] = x[idx] - (freq * counts + pres * (counts > 0).float())
-
-        # suppressed ids (EOS / stop ids before min_new_tokens) can never be chosen.
         sup = [(i, t) for i, s in enumerate(suppress or ()) for t in (s or ()) if 0 <= t < v]
-        if sup:
+        rep = [i for i, p in enumerate(params) if p.repetition_penalty != 1.0]
+        fp = [i for i, p in enumerate(params) if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0]
+        x = logits.float()
+        if not (sup or rep or fp or any(p.logit_bias for p in params)):
+            return x
+        x = x.clone() if x is logits else x
+        _logit_bias(x, params)
+        if rep:  # over prompt + output tokens: divide positive logits, multiply negative ones
+            seen = _token_counts([list(prompt_ids[i]) + list(output_ids[i]) for i in rep], v, x.device) > 0
+            pen, idx = _column([params[i].repetition_penalty for i in rep], x), torch.tensor(rep, device=x.device)
+            sub = x[idx]
+            x[idx] = torch.where(seen, torch.where(sub > 0, sub / pen, sub * pen), sub)
+        if fp:  # over output tokens
+            counts = _token_counts([output_ids[i] for i in fp], v, x.device)
+            freq, pres = _column([params[i].frequency_penalty for i in fp], x), _column([params[i].presence_penalty for i in fp], x)
+            idx = torch.tensor(fp, device=x.device)
+            x[idx] = x[idx] - (freq * counts + pres * (counts > 0).float())
+        if sup:  # EOS / stop ids before min_new_tokens can never be chosen
             r, c = zip(*sup)
-            writable()[torch.tensor(r, device=dev), torch.tensor(c, device=dev)] = float("-inf")
+            x[torch.tensor(r, device=x.device), torch.tensor(c, device=x.device)] = float("-inf")
         return x
 
     def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -161,3 +142,16 @@ class Sampler:
         race = probs / torch.stack(noise).clamp_(min=torch.finfo(torch.float32).tiny)
         out[si] = race.argmax(dim=-1)
         return out
+
+
+def _column(values: Sequence[float], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor([float(v) for v in values], device=like.device)[:, None]
+
+
+def _logit_bias(x: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    """Add every row's logit_bias in place: one accumulate-scatter of all (row, token, bias) triples."""
+    trip = [(i, int(k), float(bias)) for i, p in enumerate(params) for k, bias in (p.logit_bias or {}).items()]
+    if trip:
+        r, c, val = zip(*trip)
+        x.index_put_((torch.tensor(r, device=x.device), torch.tensor(c, device=x.device)),
+                     torch.tensor(val, dtype=torch.float32, device=x.device), accumulate=True)

@@ -175,6 +175,16 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be at least 0, got {m}.")
         if self.min_new_tokens < 0 or (m is not None and self.min_new_tokens > m):
             raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({m})], got {self.min_new_tokens}.")
+        if not 1 <= self.n <= MAX_N:
+            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
+        if self.stream_interval is not None and self.stream_interval < 1:
+            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
+        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
+            raise ValueError(f"sampling_seed must be in [-2**63, 2**64 - 1], got {self.sampling_seed}.")
+        self._verify_tokens(vocab_size)
+
+    def _verify_tokens(self, vocab_size: int) -> None:
+        """The token ids, stops and grammars."""
         for key, bias in (self.logit_bias or {}).items():
             if not 0 <= int(key) < vocab_size:
                 raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
@@ -192,12 +202,6 @@ class SamplingParams:
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}.") from None
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
-        if self.stream_interval is not None and self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
-        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
-            raise ValueError(f"sampling_seed must be in [-2**63, 2**64 - 1], got {self.sampling_seed}.")
 
     @property
     def is_greedy(self) -> bool:

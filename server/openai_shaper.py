@@ -1,0 +1,141 @@
+"""What the two OpenAI generation routes send for a submission: its stream frames (`frame`, `tail`) and
+its whole response (`response`), as NativeShaper does for /generate. The route parses, checks and
+submits; `respond` streams or collects."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from engine.runtime.tokenizer import Tokenizer
+from server.errors import sse_error
+from server.openai_format import chat_logprobs, completion_logprobs, finish_fields, prompt_logprobs, usage_of
+from server.openai_protocol import (
+    WEIGHT_VERSION,
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatStreamChoice,
+    ChoiceLogprobs,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+)
+from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
+
+
+def _sse(model: BaseModel, drop: set[str] | None = None) -> str:
+    return f"data: {model.model_dump_json(exclude=drop)}\n\n"
+
+
+class _Shaper:
+    route = ""
+
+    def __init__(self, sub: Submission, req: Any, tok: Tokenizer, prompts: list[list[int]], max_logprobs: int) -> None:
+        self.sub, self.req, self.tok, self.max_logprobs = sub, req, tok, max_logprobs
+        self.prompt_lens, self.n = [len(p) for p in prompts], req.n or 1
+        self.head = {"id": sub.id, "created": int(time.time()), "model": req.model}
+
+    def usage(self, joined: list | None = None) -> Any:
+        return usage_of(self.prompt_lens, self.sub.joined if joined is None else joined, self.n)
+
+    def prompt_logprobs(self, joined: Any) -> Any:
+        k = self.req.prompt_logprobs
+        return None if k is None else prompt_logprobs(self.tok, joined.logprobs, k, self.max_logprobs)
+
+    def head_frames(self) -> tuple[str, ...]:
+        return ()
+
+    async def respond(self, request: Request) -> Response:
+        """Stream the frames, or collect every sequence (a client gone first: 499, logged only)."""
+        if self.req.stream:
+            error = lambda status, msg: sse_error(self.route, status, msg)  # noqa: E731
+            return SSEResponse(sse_frames(self.sub, self.frame, error, self.head_frames(), self.tail), self.sub)
+        try:
+            joined = await self.sub.collect(request)
+        except ClientGone:
+            return Response(status_code=CLIENT_CLOSED)
+        return JSONResponse(self.response(joined).model_dump(mode="json"))
+
+
+class CompletionShaper(_Shaper):
+    route = "/v1/completions"
+
+    def __init__(self, sub: Submission, req: CompletionRequest, tok: Tokenizer, prompts: list[list[int]],
+                 given: list[Any], max_logprobs: int) -> None:
+        super().__init__(sub, req, tok, prompts, max_logprobs)
+        self.echo = bool(req.echo)
+        self.texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in given]
+        self.offsets = [0] * len(sub.rids)  # text_offset of each sequence's next token
+        self.started = [False] * len(sub.rids)
+
+    def choice(self, i: int, text: str, lp: Any, reason: Any, joined: Any) -> CompletionChoice:
+        logprobs = None
+        if self.req.logprobs is not None and lp is not None:
+            logprobs, self.offsets[i] = completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
+        fr, matched = finish_fields(reason)
+        return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=fr, matched_stop=matched,
+                                prompt_logprobs=self.prompt_logprobs(joined) if reason is not None else None)
+
+    def frame(self, i: int, out: Any) -> str | None:
+        text = (self.texts[i // self.n] if self.echo and not self.started[i] else "") + out.new_text
+        self.started[i] = True
+        c = self.choice(i, text, out.logprobs, out.finish_reason if out.finished else None, self.sub.joined[i])
+        if not (text or out.finished or (c.logprobs and c.logprobs.tokens)):
+            return None
+        usage = self.usage() if self.req.continuous_usage else None
+        return _sse(CompletionResponse(**self.head, choices=[c], usage=usage), {"metadata"} | (set() if usage else {"usage"}))
+
+    def tail(self):
+        if self.req.include_usage:
+            yield _sse(CompletionResponse(**self.head, choices=[], usage=self.usage()), {"metadata"})
+
+    def response(self, joined: list) -> CompletionResponse:
+        choices = [self.choice(i, (self.texts[i // self.n] if self.echo else "") + j.text, j.logprobs,
+                               j.last.finish_reason, j) for i, j in enumerate(joined)]
+        return CompletionResponse(**self.head, choices=choices, usage=self.usage(joined),
+                                  metadata={"weight_version": WEIGHT_VERSION})
+
+
+class ChatShaper(_Shaper):
+    route = "/v1/chat/completions"
+    req: ChatCompletionRequest
+
+    def chunk(self, choice: ChatStreamChoice) -> str:
+        usage = self.usage() if self.req.continuous_usage else None
+        return _sse(ChatCompletionChunk(**self.head, choices=[choice], usage=usage), None if usage else {"usage"})
+
+    def head_frames(self) -> tuple[str, ...]:
+        return tuple(self.chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
+                     for i in range(len(self.sub.rids)))
+
+    def frame(self, i: int, out: Any) -> str | None:
+        lines = []
+        entries = chat_logprobs(self.tok, out.logprobs) if self.req.logprobs and out.logprobs else []
+        if out.new_text or entries:
+            lp = ChoiceLogprobs(content=entries) if self.req.logprobs else None
+            lines.append(self.chunk(ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp)))
+        if out.finished:
+            fr, matched = finish_fields(out.finish_reason)
+            lines.append(self.chunk(ChatStreamChoice(index=i, delta={}, finish_reason=fr, matched_stop=matched)))
+        return "".join(lines) or None
+
+    def tail(self):
+        if self.req.include_usage:
+            yield _sse(ChatCompletionChunk(**self.head, choices=[], usage=self.usage()))
+
+    def response(self, joined: list) -> ChatCompletionResponse:
+        choices = []
+        for i, j in enumerate(joined):
+            fr, matched = finish_fields(j.last.finish_reason)
+            lp = ChoiceLogprobs(content=chat_logprobs(self.tok, j.logprobs)) if self.req.logprobs and j.logprobs else None
+            choices.append(ChatChoice(index=i, message=AssistantMessage(content=j.text), logprobs=lp,
+                                      finish_reason=fr, matched_stop=matched))
+        return ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(joined),
+                                      prompt_logprobs=self.prompt_logprobs(joined[0]))
