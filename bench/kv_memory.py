@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from bench.context import BenchContext
-from engine.model.config import load_config
+from engine.model.config_json import load_config
 from mem_cache import MiniMaxSparseKVPool
 
 GIB = 1 << 30

@@ -11,13 +11,8 @@ from typing import Any
 from engine.runtime.request import JoinedOutput, Logprobs
 from engine.runtime.tokenizer import Tokenizer
 from server.errors import ApiError
-from server.openai_protocol import (
-    ChatCompletionRequest,
-    CompletionLogprobs,
-    TokenLogprob,
-    TopLogprob,
-    UsageInfo,
-)
+from server.openai_protocol import ChatCompletionRequest
+from server.openai_responses import CompletionLogprobs, TokenLogprob, TopLogprob, UsageInfo
 
 _RESERVED_TEMPLATE_KEYS = ("messages", "add_generation_prompt")
 

@@ -14,17 +14,16 @@ from pydantic import BaseModel
 from engine.runtime.tokenizer import Tokenizer
 from server.errors import sse_error
 from server.openai_format import chat_logprobs, completion_logprobs, finish_fields, prompt_logprobs, usage_of
-from server.openai_protocol import (
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest
+from server.openai_responses import (
     WEIGHT_VERSION,
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
-    ChatCompletionRequest,
     ChatCompletionResponse,
     ChatStreamChoice,
     ChoiceLogprobs,
     CompletionChoice,
-    CompletionRequest,
     CompletionResponse,
 )
 from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames

@@ -12,7 +12,8 @@ from orig_checkpoint import make_config, random_state_dict, write_checkpoint
 from safetensors.torch import save_file
 from test_parity_transformers import Ours, prompt_logits
 
-from engine.model.config import ConfigError, config_from_dict, load_config
+from engine.model.config import ConfigError
+from engine.model.config_json import config_from_dict, load_config
 from engine.model.loader import CheckpointError, load_model
 
 

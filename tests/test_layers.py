@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.model.config import load_config
+from engine.model.config_json import load_config
 from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from tests.engine_utils import TINY
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.model.config import load_config
+from engine.model.config_json import load_config
 from engine.model.loader import load_model
 from engine.runtime.llm import LLM
 from mem_cache import KOnlyPoolError, KVCacheManager, MiniMaxSparseKVPool

@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.model.config import ModelConfig, load_config
+from engine.model.config import ModelConfig
+from engine.model.config_json import load_config
 from engine.model.model import MiniMaxM3Model
 from engine.model.weight_names import recipes
 

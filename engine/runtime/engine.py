@@ -158,8 +158,7 @@ class Engine:
         self._touched[req.rid] = req
 
     def _run(self, batch: ScheduledBatch) -> None:
-        rows, plans, sampling = [], [], []
-        offset = 0
+        rows, plans, sampling, offset = [], [], [], 0
         for req, prefix, ids in zip(batch.reqs, batch.prefix_lens, batch.new_ids):
             plans.append(plan_prompt_rows(req, prefix, len(ids), offset, rows))
             if req.remaining_prefill() == 0:
@@ -174,10 +173,9 @@ class Engine:
             self._sample([r for r, _ in sampling], logits[[i for _, i in sampling]])
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        for r in (r for r in reqs if r.params.max_new_tokens == 0):
+            self._end(r, {"type": "length", "length": 0})
         live = [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]
-        for r in reqs:
-            if r.params.max_new_tokens == 0:
-                self._end(r, {"type": "length", "length": 0})
         if not live:
             return
         reqs, logits = [reqs[i] for i in live], logits[live]
@@ -236,8 +234,7 @@ class Engine:
                            self._runner.captured_batch_sizes())
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests are queued or running. Waits for a
-        running step to end, so no request is mid-release."""
+        """Drop the prefix cache; refused (False) while requests run or wait (after a running step)."""
         with self._step_lock:
             return not self.has_work() and self._kv.flush()
 

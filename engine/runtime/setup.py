@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model.config import load_config
+from engine.model.config_json import load_config
 from engine.model.loader import load_model
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.engine_args import EngineArgs
