@@ -1,12 +1,12 @@
 """Captured decode (inductor graphs per batch-size bucket) against the same step run eager.
 
-For a transformers configuration with dense and sparse layers (GQA 4, partial RoPE) and for
-configs/tiny cut to three layers (one of each kind: dense, sparse with the index-value branch, sparse
-K-only; MoE; dummy weights), since a graph's compile time grows with its layer count: greedy tokens equal and logits
-within 1e-5 at batch 1, 3 (padded to bucket 4) and 4, over steps that cross a block boundary; decode
-after a prefix-cache hit; padding rows touch only the padding slot; warm-up keeps /health at 503.
-The transformers configuration captures one bucket (4: batches 1 and 3 are padded to it), the tiny cut
-captures two (1 and 4: the batch-1 graph and the dynamic one), which keeps the compiles few.
+For every transformers parity configuration, and for configs/tiny cut to three layers (one of each
+kind: dense, sparse with the index-value branch, sparse K-only; MoE; dummy weights; a graph's compile
+time grows with its layer count): greedy tokens equal and logits within 1e-5 at batch 1, 3 (padded to
+bucket 4) and 4, over steps that cross a block boundary; decode after a prefix-cache hit; padding rows
+touch only the padding slot; warm-up keeps /health at 503. The transformers configurations capture
+one bucket (4: batches 1 and 3 are padded to it), the tiny cut two (1 and 4: the batch-1 graph and the
+dynamic one), which keeps the compiles few.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import httpx
 import pytest
 import torch
 from engine_utils import TINY, make_engine, solo
-from hf_models import build_hf_model
+from hf_models import HF_CONFIGS, build_hf_model
 
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
@@ -46,7 +46,7 @@ def tiny3(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=["mixed_b4_gqa4", "tiny3"])
+@pytest.fixture(scope="module", params=[*HF_CONFIGS, "tiny3"])
 def paged(request, tmp_path_factory, tiny3):
     if request.param == "tiny3":
         return PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)

@@ -40,7 +40,7 @@ def graph_buckets(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
 
 class DecodeGraphs:
     def __init__(self, step: Callable[[DecodeBatch], torch.Tensor], buckets: tuple[int, ...],
-                 device: torch.device, warm_up_keys: int) -> None:
+                 device: torch.device, warm_up_keys: int, cache: list[torch.Tensor]) -> None:
         self.step, self.buckets, self.device, self.warm_up_keys = step, buckets, device, warm_up_keys
         self._compiled: set[int] = set()
         if not buckets:
@@ -48,6 +48,8 @@ class DecodeGraphs:
         # NOTE: every engine in a process (tests, benchmarks) compiles its own graphs of the same frames.
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
         if device.type == "cuda":
+            for t in cache:  # NOTE: the pool is written in place: static addresses, or no CUDA graph
+                torch._dynamo.mark_static_address(t)
             self._one = self._many = torch.compile(step, fullgraph=True, mode="reduce-overhead")
             return
 

@@ -28,7 +28,8 @@ class ModelRunner:
         # selects: no shape-specialized branch, no recompile as a context grows.
         self.min_keys = (c.topk_blocks + 1) * c.block_size if c.any_sparse else KEY_BUCKET
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
-        self.graphs = DecodeGraphs(self.decode_step, buckets, self.device, self.min_keys)
+        cache = [t for sub in pool.sub_pools() for t in sub.tensors()]
+        self.graphs = DecodeGraphs(self.decode_step, buckets, self.device, self.min_keys, cache)
 
     def captured_batch_sizes(self) -> tuple[int, ...]:
         return self.graphs.ready()
