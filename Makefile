@@ -12,7 +12,7 @@ MODEL  ?= configs/tiny
 TORCH_INDEX ?=
 TORCH_PIP := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: venv test lint serve bench bench-quick soak clean corpus tokenizer train
+.PHONY: venv test lint serve bench bench-quick bench-graphs bench-quality soak clean corpus tokenizer train
 
 venv: $(STAMP)
 
@@ -45,6 +45,14 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m bench.run --quick $(BENCH_ARGS)
+
+# Captured vs eager decode vs transformers, batched steps, startup cold/warm (~10 min): docs/benchmarks/decode_graphs.json
+bench-graphs: $(STAMP)
+	$(PY) -m bench.decode_graphs
+
+# The default model's held-out perplexity, sparse vs dense, indexer recall, samples (~5 min): docs/benchmarks/quality.json
+bench-quality: $(STAMP)
+	$(PY) -m bench.quality
 
 # 10 minutes of mixed load against a live server; fails on any error or >= 10% RSS growth (not in CI)
 soak: $(STAMP)

@@ -43,8 +43,7 @@ def hf_state_dict(model: MiniMaxM3Model) -> dict[str, torch.Tensor]:
         p, a = f"model.layers.{i}.", layer.self_attn
         sd[p + "input_layernorm.weight"] = layer.input_layernorm.weight
         sd[p + "post_attention_layernorm.weight"] = layer.post_attention_layernorm.weight
-        widths = [h * hd for h, hd in zip(a.heads, a.head_dims)] + a.splits[1:]
-        parts = a.qkv_proj.split(widths, dim=0)  # q, k, [index q, index k], v, [index v]
+        parts = a.qkv_proj.split(a.splits, dim=0)  # q, k, [index q, index k], v, [index v]
         sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"] = parts[:2]
         sd[p + "self_attn.v_proj.weight"] = parts[4] if a.kind != "dense" else parts[2]
         sd[p + "self_attn.o_proj.weight"] = a.o_proj[:, : cfg.num_heads * d]

@@ -501,7 +501,7 @@ def test_server_side_abort_is_http_500_or_an_error_frame_mid_stream(monkeypatch)
 
     monkeypatch.setattr(Engine, "_accept", Engine._accept)  # restored after the test
     inject("boom", 2, "simulated device failure")
-    state = build_state(parse_args(["--max-total-tokens", "4096"]))
+    state = build_state(parse_args(["--max-total-tokens", "4096", "--disable-cuda-graph"]))
     with TestClient(create_app(state)) as c:
         r = c.post("/generate", json={"text": "x", "rid": "boom1", "sampling_params": {"max_new_tokens": 8}})
         assert r.status_code == 500

@@ -1,0 +1,148 @@
+"""`python -m bench.decode_graphs`: captured decode against eager decode and transformers, in one run.
+
+- Batch 1, greedy, 128-token prompt, 64 new tokens, on the transformers copy of configs/tiny's weights
+  (score-only sparse layers: what transformers runs): our eager engine (`--disable-cuda-graph`), our
+  captured engine, and transformers `generate`; interleaved runs, medians. Roofline: the measured read
+  bandwidth of a buffer the size of the weights one token reads, and the copy bandwidth.
+- Batched decode steps at 1, 8, 32 and 64 rows (configs/tiny, `engine.step()` of a full decode batch,
+  sampler and scheduler included): eager against captured.
+- Startup: `python -m server` until /health is 200, with an empty inductor cache (cold) and again
+  with the cache it left (warm).
+
+Writes docs/benchmarks/decode_graphs.json. About 10 minutes on 2 idle cores; run nothing beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.hf_copy import write_hf_copy
+from bench.hf_gen import generate_timed
+from bench.machine import measure_bandwidth
+from bench.models import load_transformers
+from bench.ours import make_engine, timed_generate
+from bench.roofline import decode_bytes_per_token
+from engine.model.loader import load_model
+from engine.runtime.request import NewRequest
+from engine.runtime.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny"
+OUT = ROOT / "docs" / "benchmarks" / "decode_graphs.json"
+PROMPT, NEW, RUNS = 128, 64, 5
+
+
+def read_bandwidth(nbytes: int, repeats: int = 20) -> float:
+    """Bytes/s of summing a float32 buffer of `nbytes` (a read-only pass, as a decode step's weights)."""
+    buf = torch.ones(max(1, nbytes // 4))
+    buf.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        times.append(time.perf_counter() - t)
+    return nbytes / statistics.median(times)
+
+
+def batch1(copy_dir: Path) -> dict:
+    ids = torch.randint(5, 4000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
+    eager = make_engine(copy_dir, disable_radix_cache=True, disable_cuda_graph=True)
+    graphs = make_engine(copy_dir, disable_radix_cache=True, cuda_graph_bs=[1])
+    graphs.warm_up()
+    hf = load_transformers(copy_dir)
+    systems = {"eager": lambda: timed_generate(eager, ids, NEW), "captured": lambda: timed_generate(graphs, ids, NEW),
+               "transformers": lambda: generate_timed(hf, ids, NEW)}
+    runs: dict[str, list] = {k: [] for k in systems}
+    for fn in systems.values():
+        fn()  # warm
+    for _ in range(RUNS):
+        for name, fn in systems.items():
+            runs[name].append(fn())
+    ms = {k: 1000 / statistics.median(r.decode_tok_s for r in v) for k, v in runs.items()}
+    same = runs["captured"][0].output_ids == runs["eager"][0].output_ids == runs["transformers"][0].output_ids
+    b = decode_bytes_per_token(graphs.cfg, PROMPT + NEW / 2, 4)
+    read_bw, copy_bw = read_bandwidth(b["total"]), measure_bandwidth().copy_bytes_per_s
+    return {"ms_per_token": ms, "same_tokens": same, "bytes_per_token": b["total"],
+            "read_bandwidth_gb_s": read_bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
+            "captured_vs_transformers": ms["transformers"] / ms["captured"],
+            "captured_vs_eager": ms["eager"] / ms["captured"],
+            "fraction_of_read_roofline": (b["total"] / read_bw) * 1000 / ms["captured"],
+            "fraction_of_copy_roofline": (b["total"] / copy_bw) * 1000 / ms["captured"]}
+
+
+def step_ms(engine, rows: int, steps: int = 16) -> float:
+    """Median time of a decode step with `rows` running requests (prompts of PROMPT tokens)."""
+    params = SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True)
+    engine.add_requests([NewRequest([5 + (r + j) % 4000 for j in range(PROMPT)], params) for r in range(rows)])
+    decoding: set[str] = set()
+    while len(decoding) < rows:  # until every request has its first token (prefill done)
+        decoding |= {o.rid for o in engine.step() if o.new_ids}
+    engine.step()  # the first all-decode step (a new key bucket may be compiled here)
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    while engine.has_work():
+        engine.step()
+    return 1000 * statistics.median(times)
+
+
+def batched() -> dict:
+    eager = make_engine(TINY, disable_radix_cache=True, disable_cuda_graph=True)
+    graphs = make_engine(TINY, disable_radix_cache=True)
+    graphs.warm_up()
+    out = {}
+    for rows in (1, 8, 32, 64):
+        e, g = step_ms(eager, rows), step_ms(graphs, rows)
+        out[rows] = {"eager_ms": e, "captured_ms": g, "speedup": e / g}
+        print(f"decode step at {rows} rows: eager {e:.1f} ms, captured {g:.1f} ms ({e / g:.2f}x)", flush=True)
+    return out
+
+
+def startup(cache: Path) -> float:
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    t = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", str(TINY), "--port", "30931"], cwd=ROOT,
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        while time.perf_counter() - t < 900:
+            try:
+                if httpx.get("http://127.0.0.1:30931/health", timeout=2).status_code == 200:
+                    return time.perf_counter() - t
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError("the server did not become healthy in 900 s")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> int:
+    torch.set_num_threads(2)
+    res: dict = {}
+    with tempfile.TemporaryDirectory() as d:
+        write_hf_copy(load_model(TINY), Path(d), TINY)
+        res["batch1"] = batch1(Path(d))
+    print(json.dumps(res["batch1"], indent=1), flush=True)
+    res["batched"] = batched()
+    with tempfile.TemporaryDirectory() as cache:
+        res["startup_s"] = {"cold": startup(Path(cache)), "warm": startup(Path(cache))}
+    print(f"startup: cold {res['startup_s']['cold']:.0f} s, warm {res['startup_s']['warm']:.0f} s")
+    OUT.write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
