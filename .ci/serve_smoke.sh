@@ -7,7 +7,7 @@ log=$(mktemp)
 make serve PORT="$PORT" >"$log" 2>&1 &
 pid=$!
 trap 'kill -TERM $pid 2>/dev/null; wait $pid 2>/dev/null || true' EXIT
-for _ in $(seq 1 120); do
+for _ in $(seq 1 600); do  # a cold start compiles the decode graphs first (README: Decode graphs)
   if curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; then break; fi
   sleep 1
 done

@@ -44,7 +44,7 @@ PROMPT, NEW, RUNS = 128, 64, 5
 
 def read_bandwidth(nbytes: int, repeats: int = 20) -> float:
     """Bytes/s of summing a float32 buffer of `nbytes` (a read-only pass, as a decode step's weights)."""
-    buf = torch.ones(max(1, nbytes // 4))
+    buf = torch.ones(max(1, int(nbytes) // 4))
     buf.sum()
     times = []
     for _ in range(repeats):
