@@ -17,6 +17,7 @@ def make_engine(**kw: Any) -> Engine:
     kw.setdefault("model_path", TINY)
     kw.setdefault("max_total_tokens", 4096)
     kw.setdefault("disable_cuda_graph", True)  # eager: graph capture is tested in test_decode_graph
+    kw.setdefault("load_format", "dummy")  # seeded random weights: the shipped ones are tested in test_shipped_model
     return Engine(EngineArgs(**kw))
 
 

@@ -47,8 +47,8 @@ def start_server(*args: str, log_dir: Path | None = None, wait: float = 90, modu
     port = port or free_port()
     log = (log_dir or Path("/tmp")) / f"server-{port}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", module, "--port", str(port), *args]
-    if "--model-path" not in args:
-        cmd += ["--model-path", TINY]
+    if "--model-path" not in args:  # seeded random weights (the shipped ones: test_shipped_model, CI's smoke)
+        cmd += ["--model-path", TINY] + ([] if "--load-format" in args else ["--load-format", "dummy"])
     if not {"--cuda-graph-bs", "--cuda-graph-max-bs"} & set(args):
         cmd.append("--disable-cuda-graph")
     env = dict(os.environ, PYTHONUNBUFFERED="1")

@@ -93,7 +93,7 @@ def test_n_samples_share_one_prefill(engine):
 @pytest.fixture(scope="module")
 def hf_pair(tmp_path_factory):
     d = tmp_path_factory.mktemp("hf_lp")
-    return build_hf_model("mixed_b4_gqa4", d), make_engine(model_path=str(d), skip_tokenizer_init=True)
+    return build_hf_model("mixed_b4_gqa4", d), make_engine(model_path=str(d), skip_tokenizer_init=True, load_format="auto")
 
 
 def test_logprobs_match_transformers_and_rescoring(hf_pair):

@@ -38,7 +38,7 @@ def test_config_has_all_three_kinds_and_moe():
 
 def test_parameter_count_and_dummy_log(caplog):
     with caplog.at_level(logging.WARNING):
-        model = load_model(TINY)
+        model = load_model(TINY, load_format="dummy")
     assert "DUMMY weights" in caplog.text
     n = sum(p.numel() for p in model.parameters())
     assert 10e6 <= n <= 20e6, n
