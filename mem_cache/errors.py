@@ -1,9 +1,5 @@
-"""Exceptions raised by the token pools.
-
-Each one is a subclass of a builtin so that generic callers can catch broadly, while the HTTP layer
-can map the precise class to a status code (exhausted -> retract/503, layer id -> 404,
-missing buffer -> 409, unknown buffer name -> plain ValueError -> 400).
-"""
+"""Exceptions of the token pools: builtin subclasses, so generic callers catch broadly while the HTTP layer maps
+the precise class (exhausted -> retract/503, layer id -> 404, missing buffer -> 409, unknown buffer name -> 400)."""
 
 from __future__ import annotations
 

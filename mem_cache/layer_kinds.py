@@ -1,15 +1,10 @@
-"""Layer kinds, buffer names, routing records and the per-token byte formula (model.md §5).
-
-Pure metadata: no tensors are created here.
-"""
+"""Layer kinds, buffer names, routing records and the per-token element formula (model.md §5): no tensors."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
-
-import torch
 
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
 
@@ -66,11 +61,3 @@ def elements_per_token(kind: str, head_num: int, head_dim: int, index_head_dim: 
         return main + index_head_dim
     raise ValueError(f"unknown layer kind {kind!r}; valid kinds are {list(LAYER_KINDS)}")
 
-
-def bytes_per_token_for_kinds(
-    layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int, dtype: torch.dtype
-) -> int:
-    """Bytes one token slot costs summed over all layers and all their buffers."""
-    return dtype.itemsize * sum(
-        elements_per_token(k, head_num, head_dim, index_head_dim) for k in layer_kinds
-    )

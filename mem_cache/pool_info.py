@@ -1,8 +1,7 @@
-"""Capability introspection for `MiniMaxSparseKVPool`: pure metadata, never tensor contents.
+"""Introspection and self-check of `MiniMaxSparseKVPool`: metadata, never tensor contents.
 
-This is the data behind GET /pools, /pools/layers and /pools/layers/{id}/buffers/{buffer}
-(http_api.md §6). Generic code (metrics, dumps, transfers) asks here first, so it never has to catch
-an exception to learn that a layer has no index value buffer.
+The data behind GET /pools, /pools/layers and /pools/layers/{id}/buffers/{buffer} (http_api.md §6):
+generic code asks here first, so it never has to catch an exception to learn what a layer lacks.
 """
 
 from __future__ import annotations
@@ -16,6 +15,8 @@ from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool, check_layer
 from mem_cache.layer_kinds import (
     BUFFER_NAMES,
     DENSE,
+    KIND_BUFFERS,
+    SPARSE_INDEX_KV,
     SPARSE_K_ONLY,
     BufferLocation,
     check_buffer_name,
@@ -28,12 +29,18 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _same_device(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
+
+
 class SparsePoolInfoMixin:
     """Introspection half of `MiniMaxSparseKVPool`; all `layer_id` arguments are GLOBAL layer ids."""
 
     layer_kinds: tuple[str, ...]
     num_layers: int
+    size: int
     dtype: torch.dtype
+    device: torch.device
     head_num: int
     head_dim: int
     index_head_dim: int
@@ -73,9 +80,7 @@ class SparsePoolInfoMixin:
 
     def layer_bytes_per_token(self, layer_id: int) -> int:
         kind = self.layer_kind(layer_id)
-        return (
-            elements_per_token(kind, self.head_num, self.head_dim, self.index_head_dim) * self.dtype.itemsize
-        )
+        return elements_per_token(kind, self.head_num, self.head_dim, self.index_head_dim) * self.dtype.itemsize
 
     def sub_pools(self) -> list[MHATokenToKVPool | MHATokenToKOnlyPool]:
         """The sub-pools that exist (those with at least one layer), main first."""
@@ -96,15 +101,9 @@ class SparsePoolInfoMixin:
             "attention": "dense" if kind == DENSE else "sparse",
             "kind": kind,
             "buffers": {b: routes[b] is not None for b in BUFFER_NAMES},
-            "locations": {
-                b: None
-                if (r := routes[b]) is None
-                else {"pool": r.pool.name, "local_layer_id": r.local_layer_id}
-                for b in BUFFER_NAMES
-            },
-            "shapes": {
-                b: None if (r := routes[b]) is None else list(r.pool.buffer_shape) for b in BUFFER_NAMES
-            },
+            "locations": {b: r and {"pool": r.pool.name, "local_layer_id": r.local_layer_id}
+                          for b, r in routes.items()},
+            "shapes": {b: r and list(r.pool.buffer_shape) for b, r in routes.items()},
             "bytes_per_token": self.layer_bytes_per_token(layer_id),
         }
 
@@ -129,37 +128,73 @@ class SparsePoolInfoMixin:
         }
 
     def sub_pools_info(self) -> list[dict[str, Any]]:
-        return [
-            {
-                "name": p.name,
-                "class": type(p).__name__,
-                "layer_ids": list(p.global_layer_ids),
-                "head_num": p.head_num,
-                "head_dim": p.head_dim,
-                "has_key": True,
-                "has_value": p.has_value_buffer,
-                "bytes": p.total_bytes(),
-            }
-            for p in self.sub_pools()
-        ]
+        return [{"name": p.name, "class": type(p).__name__, "layer_ids": list(p.global_layer_ids),
+                 "head_num": p.head_num, "head_dim": p.head_dim, "has_key": True, "has_value": p.has_value_buffer,
+                 "bytes": p.total_bytes()} for p in self.sub_pools()]
 
     def _missing_buffer_error(self, layer_id: int, buffer: str) -> MissingBufferError:
         kind = self.layer_kinds[layer_id]
         owners = self.layers_with(buffer)
-        tail = (
-            f"only layers {owners} have '{buffer}'." if owners else f"no layer of this model has '{buffer}'."
-        )
+        tail = f"only layers {owners} have '{buffer}'." if owners else f"no layer of this model has '{buffer}'."
         if kind == SPARSE_K_ONLY:  # the only buffer a K-only layer lacks is index_value
-            msg = (
-                f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K "
-                "lives in MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the "
-                f"index keys; {tail}"
-            )
+            msg = (f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K "
+                   "lives in MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the "
+                   f"index keys; {tail}")
         elif kind == DENSE:
-            msg = (
-                f"layer {layer_id} is a dense layer: it has no indexer, so it has only buffers 'key' and "
-                f"'value' (in {self.main_pool.name}). Use buffer 'key' / 'value' for its attention K/V; {tail}"
-            )
+            msg = (f"layer {layer_id} is a dense layer: it has no indexer, so it has only buffers 'key' and "
+                   f"'value' (in {self.main_pool.name}). Use buffer 'key' / 'value' for its attention K/V; {tail}")
         else:  # NOTE: unreachable while KIND_BUFFERS gives sparse_index_kv every buffer
             msg = f"layer {layer_id} ({kind}) has no buffer '{buffer}'; {tail}"
         return MissingBufferError(msg, layer_id, buffer)
+
+    # ---- self-check ----------------------------------------------------------------------------------
+    def check_integrity(self) -> bool:
+        """Buffers' shapes/dtypes/devices, routing of every layer by its kind, no V in the K-only pool;
+        `AssertionError` with a message on the first inconsistency."""
+        kinds = self.layer_kinds
+        kv_ids = [i for i, k in enumerate(kinds) if k == SPARSE_INDEX_KV]
+        k_ids = [i for i, k in enumerate(kinds) if k == SPARSE_K_ONLY]
+        self._check_sub_pool(self.main_pool, self.head_num, self.head_dim, list(range(self.num_layers)))
+        for sub, ids in ((self.index_kv_pool, kv_ids), (self.index_k_pool, k_ids)):
+            assert (sub is None) == (not ids), f"sub-pool {sub and sub.name} present={sub is not None} for layers {ids}"
+            if sub is not None:
+                self._check_sub_pool(sub, 1, self.index_head_dim, ids)
+        for layer_id, kind in enumerate(kinds):
+            routes = self._routes[layer_id]
+            assert set(routes) == set(BUFFER_NAMES), f"layer {layer_id}: routes for {sorted(routes)}"
+            present = {b for b, r in routes.items() if r is not None}
+            assert present == KIND_BUFFERS[kind], f"layer {layer_id} ({kind}) routes {sorted(present)}"
+            for buffer in present:
+                r = routes[buffer]
+                assert r is not None
+                index_pool = self.index_kv_pool if kind == SPARSE_INDEX_KV else self.index_k_pool
+                want = self.main_pool if buffer in ("key", "value") else index_pool
+                assert r.pool is want, f"layer {layer_id} {buffer}: routed to {r.pool.name}"
+                assert r.pool.global_layer_ids[r.local_layer_id] == layer_id, (
+                    f"layer {layer_id} {buffer}: local id {r.local_layer_id} maps back to "
+                    f"{r.pool.global_layer_ids[r.local_layer_id]}")
+                if buffer in ("value", "index_value"):
+                    assert isinstance(r.pool, MHATokenToKVPool), f"layer {layer_id} {buffer}: pool has no V"
+        return True
+
+    def _check_sub_pool(self, pool: MHATokenToKVPool, head_num: int, head_dim: int, layer_ids: list[int]) -> None:
+        tag = f"{type(pool).__name__} '{pool.name}'"
+        assert (pool.size, pool.dtype) == (self.size, self.dtype), (
+            f"{tag}: size/dtype {(pool.size, pool.dtype)} differ from the parent's")
+        assert (pool.head_num, pool.head_dim) == (head_num, head_dim), (
+            f"{tag}: heads x dim {(pool.head_num, pool.head_dim)} != expected {(head_num, head_dim)}")
+        assert pool.global_layer_ids == layer_ids, f"{tag}: holds layers {pool.global_layer_ids}, expected {layer_ids}"
+        shape = (self.size + 1, head_num, head_dim)
+        tensors = list(pool.k_buffer)
+        assert len(pool.k_buffer) == len(layer_ids), f"{tag}: {len(pool.k_buffer)} K buffers, {len(layer_ids)} layers"
+        if isinstance(pool, MHATokenToKOnlyPool):
+            assert not pool.has_value_buffer and not hasattr(pool, "v_buffer"), f"{tag}: a K-only pool holds V"
+        else:
+            assert len(pool.v_buffer) == len(layer_ids), f"{tag}: {len(pool.v_buffer)} V buffers"
+            tensors += pool.v_buffer
+        for t in tensors:
+            assert tuple(t.shape) == shape, f"{tag}: buffer shape {tuple(t.shape)} != {shape}"
+            assert t.dtype == self.dtype, f"{tag}: buffer dtype {t.dtype} != {self.dtype}"
+            assert _same_device(t, self.device), f"{tag}: buffer on {t.device}, pool device {self.device}"
+        expected = len(tensors) * shape[0] * head_num * head_dim * self.dtype.itemsize
+        assert pool.total_bytes() == expected, f"{tag}: total_bytes {pool.total_bytes()} != {expected}"

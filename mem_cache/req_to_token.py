@@ -17,9 +17,7 @@ class ReqToTokenPool:
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
         if size <= 0 or max_context_len <= 0:
-            raise ValueError(
-                f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size} and {max_context_len}"
-            )
+            raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size} and {max_context_len}")
         self.size = size
         self.max_context_len = max_context_len
         self.device = torch.device(device)
@@ -42,11 +40,9 @@ class ReqToTokenPool:
         if n < 0:
             raise ValueError(f"ReqToTokenPool.alloc: n must be >= 0, got {n}")
         if n > len(self._free):
-            raise PoolExhaustedError(
-                f"ReqToTokenPool: asked for {n} request slots but only {len(self._free)} of {self.size} "
-                "are free (raise --max-running-requests or wait for requests to finish; "
-                "call can_alloc() first)"
-            )
+            raise PoolExhaustedError(f"ReqToTokenPool: asked for {n} request slots but only {len(self._free)} of "
+                                     f"{self.size} are free (raise --max-running-requests or wait for requests to "
+                                     "finish; call can_alloc() first)")
         taken, self._free = self._free[:n], self._free[n:]
         for idx in taken:
             self._in_use[idx] = True
@@ -72,9 +68,8 @@ class ReqToTokenPool:
         if not 0 <= req_idx < self.size:
             raise ValueError(f"ReqToTokenPool.write: request slot {req_idx} is out of range [0, {self.size})")
         if start < 0 or end > self.max_context_len:
-            raise ValueError(
-                f"ReqToTokenPool.write: positions [{start}, {end}) exceed max_context_len {self.max_context_len}"
-            )
+            raise ValueError(f"ReqToTokenPool.write: positions [{start}, {end}) exceed max_context_len "
+                             f"{self.max_context_len}")
         self.req_to_token[req_idx, start:end] = slots.reshape(-1).to(self.req_to_token)
 
     def clear(self) -> None:
@@ -91,6 +86,5 @@ class ReqToTokenPool:
         assert not both, f"ReqToTokenPool: request slots {both[:8]} are both free and in use"
         used = sum(self._in_use)
         assert used + len(self._free) == self.size, (
-            f"ReqToTokenPool: free ({len(self._free)}) + used ({used}) != size ({self.size})"
-        )
+            f"ReqToTokenPool: free ({len(self._free)}) + used ({used}) != size ({self.size})")
         return True

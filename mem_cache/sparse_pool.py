@@ -14,11 +14,10 @@ from mem_cache.layer_kinds import (
     SPARSE_INDEX_KV,
     SPARSE_K_ONLY,
     BufferLocation,
-    bytes_per_token_for_kinds,
+    elements_per_token,
     validate_layer_kinds,
 )
 from mem_cache.pool_info import SparsePoolInfoMixin
-from mem_cache.pool_integrity import check_sparse_pool_integrity
 
 
 class MiniMaxSparseKVPool(SparsePoolInfoMixin):
@@ -35,50 +34,21 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     generic code should ask `has_buffer` / `has_index_value_buffer` / `layer_info` first.
     """
 
-    def __init__(
-        self,
-        size: int,
-        dtype: torch.dtype,
-        layer_kinds: Sequence[str],
-        head_num: int,
-        head_dim: int,
-        index_head_dim: int,
-        device: str | torch.device = "cpu",
-    ) -> None:
+    def __init__(self, size: int, dtype: torch.dtype, layer_kinds: Sequence[str], head_num: int, head_dim: int,
+                 index_head_dim: int, device: str | torch.device = "cpu") -> None:
         self.layer_kinds = validate_layer_kinds(layer_kinds)
         self.num_layers = len(self.layer_kinds)
-        self.size = size
-        self.dtype = dtype
-        self.device = torch.device(device)
-        self.head_num = head_num
-        self.head_dim = head_dim
-        self.index_head_dim = index_head_dim
+        self.size, self.dtype, self.device = size, dtype, torch.device(device)
+        self.head_num, self.head_dim, self.index_head_dim = head_num, head_dim, index_head_dim
         self.index_kv_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_INDEX_KV]
         self.index_k_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_K_ONLY]
-        common = {"size": size, "dtype": dtype, "device": self.device}
-        self.main_pool = MHATokenToKVPool(
-            **common, head_num=head_num, head_dim=head_dim, layer_num=self.num_layers, name="main_pool"
-        )
-        self.index_kv_pool: MHATokenToKVPool | None = None
-        self.index_k_pool: MHATokenToKOnlyPool | None = None
-        if self.index_kv_layer_ids:
-            self.index_kv_pool = MHATokenToKVPool(
-                **common,
-                head_num=1,
-                head_dim=index_head_dim,
-                layer_num=len(self.index_kv_layer_ids),
-                name="index_kv_pool",
-                global_layer_ids=self.index_kv_layer_ids,
-            )
-        if self.index_k_layer_ids:
-            self.index_k_pool = MHATokenToKOnlyPool(
-                **common,
-                head_num=1,
-                head_dim=index_head_dim,
-                layer_num=len(self.index_k_layer_ids),
-                name="index_k_pool",
-                global_layer_ids=self.index_k_layer_ids,
-            )
+        self.main_pool = MHATokenToKVPool(size, dtype, head_num, head_dim, self.num_layers, self.device, "main_pool")
+
+        def index_pool(cls: type[MHATokenToKVPool], ids: list[int], name: str) -> MHATokenToKVPool | None:
+            return cls(size, dtype, 1, index_head_dim, len(ids), self.device, name, ids) if ids else None
+
+        self.index_kv_pool = index_pool(MHATokenToKVPool, self.index_kv_layer_ids, "index_kv_pool")
+        self.index_k_pool = index_pool(MHATokenToKOnlyPool, self.index_k_layer_ids, "index_k_pool")
         # Global -> local layer id maps of the index sub-pools (main pool: local == global).
         self.index_kv_local = {g: i for i, g in enumerate(self.index_kv_layer_ids)}
         self.index_k_local = {g: i for i, g in enumerate(self.index_k_layer_ids)}
@@ -109,9 +79,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def get_kv_buffer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.main_pool.get_kv_buffer(layer_id)
 
-    def set_kv_buffer(
-        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
-    ) -> None:
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         self.main_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v)
 
     # ---- index K: both sparse groups; index V: sparse_index_kv only -------------------------------
@@ -123,10 +91,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         owners = self.layers_with(buffer)
         what = "an index key buffer" if buffer == "index_key" else "an index value buffer"
         if kind == DENSE:
-            why, instead = (
-                "dense (no indexer, no index buffers)",
-                f"get_kv_buffer({layer_id}) for its main K/V",
-            )
+            why, instead = "dense (no indexer, no index buffers)", f"get_kv_buffer({layer_id}) for its main K/V"
         else:
             why = "sparse_k_only (score-only sparse layer, sparse_disable_index_value set: no index V is stored)"
             instead = f"get_index_k_buffer({layer_id}) for its index keys"
@@ -149,46 +114,33 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         r = self._index_route(layer_id, "index_value", "get_index_v_buffer")
         return r.pool.get_value_buffer(r.local_layer_id)
 
-    def set_index_kv_buffer(
-        self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
-    ) -> None:
+    def set_index_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor
+                            ) -> None:
         r = self._index_route(layer_id, "index_value", "set_index_kv_buffer")
         r.pool.set_kv_buffer(r.local_layer_id, loc, cache_k, cache_v)
 
     # ---- byte accounting ---------------------------------------------------------------------------
     @staticmethod
-    def bytes_per_token_for(
-        layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int, dtype: torch.dtype
-    ) -> int:
+    def bytes_per_token_for(layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int,
+                            dtype: torch.dtype) -> int:
         """Bytes one token slot costs over all layers and buffers (model.md §5 times element size)."""
-        return bytes_per_token_for_kinds(
-            validate_layer_kinds(layer_kinds), head_num, head_dim, index_head_dim, dtype
-        )
+        kinds = validate_layer_kinds(layer_kinds)
+        return dtype.itemsize * sum(elements_per_token(k, head_num, head_dim, index_head_dim) for k in kinds)
 
     @classmethod
-    def size_for_budget(
-        cls,
-        budget_bytes: int,
-        layer_kinds: Sequence[str],
-        head_num: int,
-        head_dim: int,
-        index_head_dim: int,
-        dtype: torch.dtype,
-    ) -> int:
+    def size_for_budget(cls, budget_bytes: int, layer_kinds: Sequence[str], head_num: int, head_dim: int,
+                        index_head_dim: int, dtype: torch.dtype) -> int:
         """Largest `size` whose pool, padding slot included, fits `budget_bytes`."""
         per_token = cls.bytes_per_token_for(layer_kinds, head_num, head_dim, index_head_dim, dtype)
         size = budget_bytes // per_token - 1  # NOTE: the pool holds size + 1 rows (row 0 is the padding slot)
         if size < 1:
-            raise ValueError(
-                f"a KV budget of {budget_bytes} bytes holds no usable slot: one token costs {per_token} bytes "
-                f"and at least 2 rows ({2 * per_token} bytes) are needed"
-            )
+            raise ValueError(f"a KV budget of {budget_bytes} bytes holds no usable slot: one token costs {per_token} "
+                             f"bytes and at least 2 rows ({2 * per_token} bytes) are needed")
         return size
 
     def bytes_per_token(self) -> int:
-        return bytes_per_token_for_kinds(
-            self.layer_kinds, self.head_num, self.head_dim, self.index_head_dim, self.dtype
-        )
+        return self.bytes_per_token_for(self.layer_kinds, self.head_num, self.head_dim, self.index_head_dim,
+                                        self.dtype)
 
     def bytes_per_token_by_kind(self) -> dict[str, int]:
         """Bytes per token of ONE layer of each kind present in this model (in LAYER_KINDS order)."""
@@ -198,7 +150,3 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def total_bytes(self) -> int:
         """Real allocated bytes of every sub-pool tensor."""
         return sum(p.total_bytes() for p in self.sub_pools())
-
-    def check_integrity(self) -> bool:
-        """Buffers' shapes/dtypes/devices, routing of every layer by its kind, no V in the K-only pool."""
-        return check_sparse_pool_integrity(self)
