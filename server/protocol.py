@@ -32,8 +32,12 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _scalar_or_list(name: str, v: Any, ok: Any, what: str) -> Any:
-    """Accept `ok(v)` or a list of such values; anything else -> ValueError naming the field."""
+def _scalar_or_list(name: str, v: Any, kind: type, what: str) -> Any:
+    """Accept a `kind` value (a bool is not an int) or a list of them; anything else -> ValueError naming the field."""
+
+    def ok(x: Any) -> bool:
+        return isinstance(x, kind) and (kind is bool or not isinstance(x, bool))
+
     if v is None or ok(v) or (isinstance(v, list) and all(ok(x) for x in v)):
         return v
     raise ValueError(f"{name} must be {what} or a list of them, got {_kind(v)}")
@@ -62,8 +66,14 @@ def _ids_or_batch(name: str, v: Any) -> Any:
     raise ValueError(f"{name} must be a list of integer token ids or a list of such lists, got {_kind(v)}")
 
 
+# The GenerateReqInput fields that take one value or a list of them: (the value's type, what it must be).
+_SCALAR_OR_LIST = {"text": (str, "a string"), "rid": (str, "a string"), "sampling_params": (dict, "an object"),
+                   "return_logprob": (bool, "a boolean"), "logprob_start_len": (int, "an integer"),
+                   "top_logprobs_num": (int, "an integer")}
+
+
 class GenerateReqInput(BaseModel):
-    """POST /generate (§1.1). Shapes only; batch and value rules live in `server.generate_inputs`."""
+    """POST /generate (§1.1). Shapes only; batch and value rules live in `server.native`."""
 
     model_config = ConfigDict(extra="ignore")
 
@@ -79,25 +89,18 @@ class GenerateReqInput(BaseModel):
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool | None = False
 
-    @field_validator("text", mode="before")
+    @field_validator("text", "rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
+                     mode="before")
     @classmethod
-    def _text(cls, v: Any) -> Any:
-        return _valid_unicode("text", _scalar_or_list("text", v, lambda x: isinstance(x, str), "a string"))
+    def _scalars(cls, v: Any, info: Any) -> Any:
+        ok, what = _SCALAR_OR_LIST[info.field_name]
+        v = _scalar_or_list(info.field_name, v, ok, what)
+        return _valid_unicode(info.field_name, v) if info.field_name in ("text", "rid") else v
 
     @field_validator("input_ids", "token_ids_logprob", mode="before")
     @classmethod
     def _ids(cls, v: Any, info: Any) -> Any:
         return _ids_or_batch(info.field_name, v)
-
-    @field_validator("sampling_params", mode="before")
-    @classmethod
-    def _sampling(cls, v: Any) -> Any:
-        return _scalar_or_list("sampling_params", v, lambda x: isinstance(x, dict), "an object")
-
-    @field_validator("rid", mode="before")
-    @classmethod
-    def _rid(cls, v: Any) -> Any:
-        return _valid_unicode("rid", _scalar_or_list("rid", v, lambda x: isinstance(x, str), "a string"))
 
     @field_validator("stream", "return_text_in_logprobs", mode="before")
     @classmethod
@@ -105,16 +108,6 @@ class GenerateReqInput(BaseModel):
         if v is None or isinstance(v, bool):
             return v
         raise ValueError(f"{info.field_name} must be a boolean, got {_kind(v)}")
-
-    @field_validator("return_logprob", mode="before")
-    @classmethod
-    def _bools(cls, v: Any) -> Any:
-        return _scalar_or_list("return_logprob", v, lambda x: isinstance(x, bool), "a boolean")
-
-    @field_validator("logprob_start_len", "top_logprobs_num", mode="before")
-    @classmethod
-    def _ints(cls, v: Any, info: Any) -> Any:
-        return _scalar_or_list(info.field_name, v, _is_int, "an integer")
 
 
 class AbortReq(BaseModel):
@@ -137,7 +130,7 @@ class TokenizeReq(BaseModel):
     @field_validator("prompt", mode="before")
     @classmethod
     def _prompt(cls, v: Any) -> Any:
-        return _valid_unicode("prompt", _scalar_or_list("prompt", v, lambda x: isinstance(x, str), "a string"))
+        return _valid_unicode("prompt", _scalar_or_list("prompt", v, str, "a string"))
 
 
 class DetokenizeReq(BaseModel):

@@ -18,7 +18,7 @@ from server import __version__
 from server.errors import ApiError
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeReq, TokenizeReq
-from server.state import ServerState
+from server.state import ServerState, server_state
 from server.submission import Submission
 
 logger = logging.getLogger(__name__)
@@ -26,14 +26,10 @@ router = APIRouter()
 HEALTH_TIMEOUT_S = 20.0
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """One greedy token from `input_ids=[0]`: 200 if the engine answers within 20 s, else 503."""
-    state = _state(request)
+    state = server_state(request)
     if not state.ready:
         return Response(status_code=503)
     req = NewRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
@@ -49,7 +45,11 @@ async def health_generate(request: Request) -> Response:
     return Response(status_code=200 if ok else 503)
 
 
-def _model_info(state: ServerState) -> dict[str, Any]:
+@router.get("/get_model_info", deprecated=True)
+@router.get("/model_info")
+async def model_info(request: Request) -> dict[str, Any]:
+    _warn_if_deprecated(request)
+    state = server_state(request)
     flat, cfg = state.args.flat(), state.engine.cfg
     return {
         "model_path": flat["model_path"],
@@ -62,17 +62,6 @@ def _model_info(state: ServerState) -> dict[str, Any]:
         "model_type": cfg.model_type,
         "architectures": list(cfg.architectures),
     }
-
-
-@router.get("/model_info")
-async def model_info(request: Request) -> dict[str, Any]:
-    return _model_info(_state(request))
-
-
-@router.get("/get_model_info", deprecated=True)
-async def get_model_info(request: Request) -> dict[str, Any]:
-    logger.warning("/get_model_info is deprecated; use /model_info")
-    return _model_info(_state(request))
 
 
 def _server_info(state: ServerState, integrity_ok: bool | None = None) -> dict[str, Any]:
@@ -110,22 +99,20 @@ def _server_info(state: ServerState, integrity_ok: bool | None = None) -> dict[s
     return info
 
 
-async def _checked_server_info(state: ServerState) -> dict[str, Any]:
-    # NOTE: the integrity check takes the engine's step lock (it must not see a step half done): run it
-    # off the event loop so streams keep flowing while it waits.
-    ok = await asyncio.to_thread(state.engine.integrity_ok)
-    return _server_info(state, ok)
-
-
+@router.get("/get_server_info", deprecated=True)
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
-    return await _checked_server_info(_state(request))
+    _warn_if_deprecated(request)
+    # NOTE: the integrity check takes the engine's step lock (it must not see a step half done): run it
+    # off the event loop so streams keep flowing while it waits.
+    state = server_state(request)
+    return _server_info(state, await asyncio.to_thread(state.engine.integrity_ok))
 
 
-@router.get("/get_server_info", deprecated=True)
-async def get_server_info(request: Request) -> dict[str, Any]:
-    logger.warning("/get_server_info is deprecated; use /server_info")
-    return await _checked_server_info(_state(request))
+def _warn_if_deprecated(request: Request) -> None:
+    path = request.url.path
+    if path.startswith("/get_"):
+        logger.warning("%s is deprecated; use %s", path, path.removeprefix("/get"))
 
 
 def _tokenizer(state: ServerState) -> Any:
@@ -137,14 +124,14 @@ def _tokenizer(state: ServerState) -> Any:
 @router.get("/get_load")
 async def get_load(request: Request) -> list[dict[str, int]]:
     """SGLang's load report, one entry per data-parallel rank (we have one): sglang-router's load signal."""
-    st = _state(request).engine.stats()
+    st = server_state(request).engine.stats()
     return [{"dp_rank": 0, "num_reqs": st.num_running + st.num_waiting, "num_waiting_reqs": st.num_waiting,
              "num_tokens": st.used_tokens}]
 
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = server_state(request)
     tok = _tokenizer(state)
     if isinstance(body.prompt, str):
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
@@ -155,7 +142,7 @@ async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
-    state = _state(request)
+    state = server_state(request)
     tok = _tokenizer(state)
     vocab = state.engine.cfg.vocab_size
     seqs = [body.tokens] if not body.tokens or isinstance(body.tokens[0], int) else body.tokens
@@ -169,7 +156,7 @@ async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    m = _state(request).metrics
+    m = server_state(request).metrics
     if m is None:
         return JSONResponse({"error": {"message": "metrics are disabled; start the server with --enable-metrics"}},
                             status_code=404)

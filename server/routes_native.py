@@ -8,33 +8,25 @@ from __future__ import annotations
 import json
 import logging
 import time
+from functools import partial
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
+from engine.runtime.request import RequestOutput
 from server.errors import sse_error
 from server.native import NativeShaper, plan_generate
 from server.protocol import AbortReq, GenerateReqInput
 from server.routes_admin import router as admin_router
-from server.state import ServerState
+from server.state import server_state
 from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
 router.include_router(admin_router)
 
-FLUSHED = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
-           "requests, the operation will not be performed.)\n")
-NOT_FLUSHED = ("Cache not flushed.\nPlease check backend logs for more details. (When there are running or "
-               "waiting requests, the operation will not be performed.)\n")
-
-
-def server_state(request: Request) -> ServerState:
-    return request.app.state.server
-
-
-def sse(data: dict) -> str:
-    return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
+FLUSH_NOTE = ("\nPlease check backend logs for more details. (When there are running or waiting requests, the "
+              "operation will not be performed.)\n")
 
 
 @router.put("/generate", operation_id="generate_put")
@@ -48,14 +40,11 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     sub = Submission(state.async_engine, plan.reqs, "/generate", started)  # 400 / 503 before anything starts
     shaper = NativeShaper(plan, state.tokenizer, args.incremental_streaming_output, started)
     if plan.stream:
-        def frame(i, out):
+        def frame(i: int, out: RequestOutput) -> str | None:
             body = shaper.frame(i, out, sub.joined[i])
-            return None if body is None else sse(body)
+            return None if body is None else f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-        def error(status, message):
-            return sse_error("/generate", status, message)
-
-        return SSEResponse(sse_frames(sub, frame, error), sub)
+        return SSEResponse(sse_frames(sub, frame, partial(sse_error, "/generate")), sub)
     try:
         joined = await sub.collect(request)
     except ClientGone:
@@ -79,6 +68,6 @@ async def flush_cache(request: Request) -> Response:
     state = server_state(request)
     if state.async_engine.num_in_flight() == 0 and state.engine.flush_cache():
         logger.info("prefix cache flushed")
-        return PlainTextResponse(FLUSHED)
+        return PlainTextResponse("Cache flushed." + FLUSH_NOTE)
     logger.warning("cache not flushed: requests are running or waiting")
-    return PlainTextResponse(NOT_FLUSHED, status_code=400)
+    return PlainTextResponse("Cache not flushed." + FLUSH_NOTE, status_code=400)

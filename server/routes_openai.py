@@ -20,17 +20,13 @@ from server.errors import ApiError, media_type, not_json_message
 from server.openai_format import chat_prompt_ids
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.openai_shaper import ChatShaper, CompletionShaper
-from server.state import ServerState
+from server.state import ServerState, server_state
 from server.submission import Submission
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
 COMPLETION_MAX_LOGPROBS = 5  # the completions API's own maximum for `logprobs`
 MODEL_ALIASES = ("default",)  # what a client that names no model sends (the request models' default)
-
-
-def _state(request: Request) -> ServerState:
-    return request.app.state.server
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
@@ -47,12 +43,12 @@ def _no_model(model_id: str) -> JSONResponse:
 
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
-    return {"object": "list", "data": [_model_card(_state(request))]}
+    return {"object": "list", "data": [_model_card(server_state(request))]}
 
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     return JSONResponse(_model_card(state)) if model_id == state.model_name else _no_model(model_id)
 
 
@@ -119,7 +115,7 @@ def _completion_prompts(tok: Tokenizer, prompt: Any) -> tuple[list[list[int]], l
 
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     req = await _parse(request, CompletionRequest)
     tok = _check(state, req)
     cap = min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
@@ -137,7 +133,7 @@ async def completions(request: Request) -> Response:
 # ---- /v1/chat/completions --------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = _state(request)
+    state = server_state(request)
     req = await _parse(request, ChatCompletionRequest)
     tok = _check(state, req)
     if req.top_logprobs and not req.logprobs:

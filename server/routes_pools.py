@@ -14,16 +14,13 @@ from fastapi import APIRouter, Request
 from mem_cache import BUFFER_NAMES, LayerIdError, MiniMaxSparseKVPool, MissingBufferError
 from mem_cache.pool_info import dtype_name
 from server.errors import ApiError
+from server.state import server_state
 
 router = APIRouter()
 
 
-def _engine(request: Request) -> Any:
-    return request.app.state.server.engine
-
-
 def _pool(request: Request) -> MiniMaxSparseKVPool:
-    return _engine(request).pool
+    return server_state(request).engine.pool
 
 
 def _layer_or_404(pool: MiniMaxSparseKVPool, layer_id: int) -> None:
@@ -35,9 +32,8 @@ def _layer_or_404(pool: MiniMaxSparseKVPool, layer_id: int) -> None:
 
 @router.get("/pools")
 async def pools(request: Request) -> dict[str, Any]:
-    eng = _engine(request)
-    pool: MiniMaxSparseKVPool = eng.pool
-    st = eng.stats()
+    eng = server_state(request).engine
+    pool, st = eng.pool, eng.stats()
     return {
         "pool_class": type(pool).__name__,
         "device": str(pool.device),

@@ -6,6 +6,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from fastapi import Request
+
 from engine.runtime.engine import Engine
 from engine.runtime.tokenizer import Tokenizer
 from server.args import ServerArgs
@@ -43,3 +45,7 @@ class ServerState:
     @property
     def context_len(self) -> int:
         return self.engine.context_len
+
+
+def server_state(request: Request) -> ServerState:
+    return request.app.state.server
