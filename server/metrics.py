@@ -34,42 +34,6 @@ class _ReqTimes:
     seen_tokens: int = 0
 
 
-class _EngineGauges:
-    """A custom collector: scheduler and per-sub-pool gauges read from the engine at scrape time."""
-
-    def __init__(self, metrics: Metrics) -> None:
-        self.m = metrics
-
-    def collect(self) -> Any:
-        m, eng = self.m, self.m.engine
-        st, pool = eng.stats(), eng.pool
-        values = {
-            "num_running_reqs": ("The number of running requests.", st.num_running),
-            "num_used_tokens": ("The number of used KV tokens (prefix cache included).", st.used_tokens),
-            "token_usage": ("The KV token usage (0-1).", st.token_usage),
-            "gen_throughput": ("The generation throughput (token/s).", m.gen_throughput()),
-            "num_queue_reqs": ("The number of requests in the waiting queue.", st.num_waiting),
-            "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
-            "cache_hit_rate": ("The prefix cache hit rate.", m.cache_hit_rate()),
-            "spec_accept_length": ("The average speculative accept length.", 0.0),
-            "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens),
-        }
-        for name, (doc, value) in values.items():
-            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
-            g.add_metric([m.model_name], float(value))
-            yield g
-        per_pool = {
-            "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: st.used_tokens),
-            "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: st.free_tokens),
-            "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes()),
-        }
-        for name, (doc, fn) in per_pool.items():
-            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name", "pool"])
-            for p in pool.sub_pools():
-                g.add_metric([m.model_name, p.name], float(fn(p)))
-            yield g
-
-
 class Metrics:
     """All of the server's metrics; `render()` is the /metrics body."""
 
@@ -99,11 +63,40 @@ class Metrics:
         # NOTE: the engine reports no admission time, so queue time is measured up to the first output
         # (queueing + prefill), the closest the server can see.
         self.queue_time = histogram("queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS)
-        reg.register(_EngineGauges(self))
+        reg.register(self)  # its collect() gives the engine gauges
         self._reqs: dict[str, _ReqTimes] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, generated tokens) for gen_throughput
         self._prompt_total = 0
         self._cached_total = 0
+
+    def collect(self) -> Any:
+        """Scheduler and per-sub-pool gauges, read from the engine at scrape time (a custom collector)."""
+        st, pool = self.engine.stats(), self.engine.pool
+        values = {
+            "num_running_reqs": ("The number of running requests.", st.num_running),
+            "num_used_tokens": ("The number of used KV tokens (prefix cache included).", st.used_tokens),
+            "token_usage": ("The KV token usage (0-1).", st.token_usage),
+            "gen_throughput": ("The generation throughput (token/s).", self.gen_throughput()),
+            "num_queue_reqs": ("The number of requests in the waiting queue.", st.num_waiting),
+            "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
+            "cache_hit_rate": ("The prefix cache hit rate.", self.cache_hit_rate()),
+            "spec_accept_length": ("The average speculative accept length.", 0.0),
+            "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens),
+        }
+        for name, (doc, value) in values.items():
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            g.add_metric([self.model_name], float(value))
+            yield g
+        per_pool = {
+            "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: st.used_tokens),
+            "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: st.free_tokens),
+            "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes()),
+        }
+        for name, (doc, fn) in per_pool.items():
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name", "pool"])
+            for p in pool.sub_pools():
+                g.add_metric([self.model_name, p.name], float(fn(p)))
+            yield g
 
     # ---- feeding (event loop) ---------------------------------------------------------------------
     def on_submit(self, rids: list[str], now: float) -> None:
