@@ -51,7 +51,5 @@ def error_response(request: Request | str, status: int, message: str, extra: dic
 def sse_error(path: str, status: int, message: str) -> str:
     """An error as a stream frame, once a stream has begun: the path's envelope under "error"."""
     body = error_body(path, status, message)
-    inner = {k: v for k, v in body.items() if k != "object"} if is_openai_path(path) else body["error"]
-    if not is_openai_path(path):
-        inner = inner | {"code": status}
+    inner = body["error"] | {"code": status} if "error" in body else {k: v for k, v in body.items() if k != "object"}
     return f"data: {json.dumps({'error': inner}, ensure_ascii=False)}\n\n"

@@ -13,9 +13,7 @@ from pydantic import BaseModel
 
 from engine.runtime.tokenizer import Tokenizer
 from server.errors import sse_error
-from server.openai_format import chat_logprobs, completion_logprobs, finish_fields, prompt_logprobs, usage_of
-from server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from server.openai_responses import (
+from server.openai_format import (
     WEIGHT_VERSION,
     AssistantMessage,
     ChatChoice,
@@ -25,7 +23,13 @@ from server.openai_responses import (
     ChoiceLogprobs,
     CompletionChoice,
     CompletionResponse,
+    chat_logprobs,
+    completion_logprobs,
+    finish_fields,
+    prompt_logprobs,
+    usage_of,
 )
+from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
 
 
