@@ -46,27 +46,13 @@ def _raise_exception(message: str) -> NoReturn:
     raise ChatTemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent)
-
-
-def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
-
-
 class Tokenizer:
     """A byte-level BPE (or any `tokenizers`) tokenizer plus its HF config and chat template."""
 
-    def __init__(
-        self,
-        hf_tokenizer: _HFTokenizer,
-        tokenizer_config: dict[str, Any] | None = None,
-        generation_config: dict[str, Any] | None = None,
-        chat_template: str | None = None,
-    ) -> None:
+    def __init__(self, hf_tokenizer: _HFTokenizer, tokenizer_config: dict[str, Any] | None = None,
+                 generation_config: dict[str, Any] | None = None, chat_template: str | None = None) -> None:
         self._tok = hf_tokenizer
-        cfg = tokenizer_config or {}
-        gen = generation_config or {}
+        cfg, gen = tokenizer_config or {}, generation_config or {}
         self.bos_token = _token_content(cfg.get("bos_token"))
         self.eos_token = _token_content(cfg.get("eos_token"))
         self.pad_token = _token_content(cfg.get("pad_token"))
@@ -106,12 +92,8 @@ class Tokenizer:
         tok_file = root / "tokenizer.json"
         if not tok_file.is_file():
             raise FileNotFoundError(f"no tokenizer.json in {root}")
-        return cls(
-            _HFTokenizer.from_file(str(tok_file)),
-            tokenizer_config=_read_json(root / "tokenizer_config.json"),
-            generation_config=_read_json(root / "generation_config.json"),
-            chat_template=chat_template,
-        )
+        return cls(_HFTokenizer.from_file(str(tok_file)), _read_json(root / "tokenizer_config.json"),
+                   _read_json(root / "generation_config.json"), chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -125,10 +107,7 @@ class Tokenizer:
         return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """Token ids of `text`; special-token strings in `text` map to their ids.
-
-        With `add_special_tokens`, BOS/EOS are added only as tokenizer_config asks.
-        """
+        """Token ids of `text` (special-token strings map to their ids); BOS/EOS as tokenizer_config asks."""
         ids = list(self._tok.encode(text, add_special_tokens=False).ids)
         if add_special_tokens:
             if self.add_bos_token and self.bos_token_id is not None:
@@ -140,35 +119,27 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(
-        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, **kwargs: Any
-    ) -> str:
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **kwargs: Any) -> str:
         """Render `messages` with the chat template (sandboxed Jinja, HF conventions)."""
         if self.chat_template is None:
-            raise ChatTemplateError(
-                "this tokenizer has no chat template (tokenizer_config.json has no 'chat_template')"
-            )
+            raise ChatTemplateError("this tokenizer has no chat template (tokenizer_config.json has no "
+                                    "'chat_template')")
         if self._compiled_template is None:
-            env = ImmutableSandboxedEnvironment(
-                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
-            )
-            env.filters["tojson"] = _tojson
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                extensions=["jinja2.ext.loopcontrols"])
+            env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
             env.globals["raise_exception"] = _raise_exception
-            env.globals["strftime_now"] = _strftime_now
+            env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             try:
                 self._compiled_template = env.from_string(self.chat_template)
             except TemplateError as e:
                 raise ChatTemplateError(f"invalid chat template: {e}") from e
-        context = {
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            "pad_token": self.pad_token or "",
-            **kwargs,
-        }
+        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "pad_token": self.pad_token or "", **kwargs}
         try:
-            return self._compiled_template.render(
-                messages=messages, add_generation_prompt=add_generation_prompt, **context
-            )
+            return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                                  **context)
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
@@ -182,9 +153,8 @@ class IncrementalDetokenizer:
     multi-byte character), in which case the ids are held until a later token completes it.
     """
 
-    def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
-    ) -> None:
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
+                 ) -> None:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self._ids: list[int] = list(prompt_ids or ())
