@@ -1,8 +1,5 @@
-"""The engine: `add_requests`, `abort`, `step` -> a delta for each touched request, and `stats`.
-
-`add_requests`, `abort`, `stats` and `wait_for_work` may be called from any thread; `step` runs on
-one thread (the engine thread). A step is: take new requests and aborts, schedule, run, sample.
-"""
+"""The engine: `add_requests`, `abort`, `stats`, `wait_for_work` (any thread) and `step` (the engine thread only:
+take new requests and aborts, schedule, run, sample) -> a delta for each touched request."""
 
 from __future__ import annotations
 
@@ -14,13 +11,12 @@ import torch
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.logprobs import plan_prompt_rows, record_output, record_prompt
 from engine.runtime.model_runner import ModelRunner
-from engine.runtime.request import NewRequest, Req, RequestOutput
+from engine.runtime.request import Limits, NewRequest, Req, RequestOutput, validate
 from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import ScheduledBatch, Scheduler
 from engine.runtime.setup import build_components
 from engine.runtime.stats import EngineStats
 from engine.runtime.stop import StopChecker
-from engine.runtime.validate import Limits, validate
 from mem_cache import MiniMaxSparseKVPool
 
 ABORT_WAITING = "Abort in waiting queue"
@@ -29,15 +25,14 @@ ABORT_WAITING = "Abort in waiting queue"
 class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        c = build_components(args)
-        self.tokenizer, self.cfg, self.context_len = c.tokenizer, c.model.cfg, c.context_len
-        self._kv = c.kv
-        self._runner = ModelRunner(c.model, c.pool, args)
-        self._scheduler = Scheduler(c.kv, args.max_running_requests, args.chunked_prefill_size)
+        model, self.tokenizer, pool, self._kv, self.context_len = build_components(args)
+        self.cfg = model.cfg
+        self._runner = ModelRunner(model, pool, args)
+        self._scheduler = Scheduler(self._kv, args.max_running_requests, args.chunked_prefill_size)
         self._sampler = Sampler()
         self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
-        self.max_total_len = min(self.context_len, c.kv.size)
-        self.limits = Limits(self.cfg.vocab_size, self.context_len, c.kv.size, args.max_new_tokens_cap,
+        self.max_total_len = min(self.context_len, self._kv.size)
+        self.limits = Limits(self.cfg.vocab_size, self.context_len, self._kv.size, args.max_new_tokens_cap,
                              self.tokenizer is not None)
         self._seeds = torch.Generator().manual_seed(args.random_seed)
         self._cond = threading.Condition()  # guards the inbox, the aborts and the rid tables

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,15 +18,6 @@ logger = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CPU_KV_BYTES = 512 << 20
-
-
-@dataclass
-class Components:
-    model: MiniMaxM3Model
-    tokenizer: Tokenizer | None
-    pool: MiniMaxSparseKVPool
-    kv: KVCacheManager
-    context_len: int
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -72,7 +62,9 @@ def kv_pool_tokens(args: EngineArgs, model: MiniMaxM3Model, dtype: torch.dtype, 
                                                c.index_head_dim, dtype)
 
 
-def build_components(args: EngineArgs) -> Components:
+def build_components(args: EngineArgs
+                     ) -> tuple[MiniMaxM3Model, Tokenizer | None, MiniMaxSparseKVPool, KVCacheManager, int]:
+    """(model, tokenizer, KV pool, KV cache manager, context length)."""
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     cfg = load_config(args.model_path)
@@ -85,4 +77,4 @@ def build_components(args: EngineArgs) -> Components:
     kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache)
     logger.info("model %s on %s/%s: %d layers %s, KV pool %d tokens (%.1f MiB)", args.model_path, device,
                 str(dtype).removeprefix("torch."), cfg.num_layers, cfg.layer_kinds, size, pool.total_bytes() / 2**20)
-    return Components(model, tokenizer, pool, kv, context_len)
+    return model, tokenizer, pool, kv, context_len
