@@ -28,18 +28,14 @@ class EngineArgs:
     cuda_graph_bs: list[int] | None = None  # the batch-size buckets (None: derived from cuda_graph_max_bs)
 
     def __post_init__(self) -> None:
-        if self.max_running_requests < 1:
-            raise ValueError(f"max_running_requests must be at least 1, got {self.max_running_requests}")
-        if self.chunked_prefill_size < 1:
-            raise ValueError(f"chunked_prefill_size must be at least 1, got {self.chunked_prefill_size}")
+        for name, least in (("max_running_requests", 1), ("chunked_prefill_size", 1), ("max_total_tokens", 2),
+                            ("max_new_tokens_cap", 1)):
+            if (value := getattr(self, name)) is not None and value < least:
+                raise ValueError(f"{name} must be at least {least}, got {value}")
         if self.page_size != 1:
             raise ValueError(f"page_size must be 1 (paged KV slots are not supported by the scheduler yet), got {self.page_size}")
-        if self.max_total_tokens is not None and self.max_total_tokens < 2:
-            raise ValueError(f"max_total_tokens must be at least 2, got {self.max_total_tokens}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_new_tokens_cap is not None and self.max_new_tokens_cap < 1:
-            raise ValueError(f"max_new_tokens_cap must be at least 1, got {self.max_new_tokens_cap}")
         for bs in self.cuda_graph_bs or ():
             if bs < 1:
                 raise ValueError(f"cuda_graph_bs entries must be at least 1, got {bs}")

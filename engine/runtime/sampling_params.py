@@ -23,8 +23,9 @@ GREEDY_EPS = 1e-6
 _INT_FIELDS = frozenset({"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"})
 _FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
                            "repetition_penalty"})
-_BOOL_FIELDS = frozenset({"ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"})
-_STR_FIELDS = frozenset({"json_schema", "regex", "ebnf", "structural_tag"})
+_TYPED_FIELDS = {**dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"),
+                                 (bool, "a boolean")),
+                 **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), (str, "a string"))}
 _STR_LIST_FIELDS = frozenset({"stop", "stop_regex"})
 # Fields for which an explicit JSON null is a real value rather than "use the default".
 _NULL_IS_VALUE = frozenset({"max_new_tokens"})
@@ -58,13 +59,10 @@ def _coerce(name: str, v: Any) -> Any:
         if not _is_number(v):
             raise ValueError(f"{name} must be a number, got {v!r}.")
         return v  # kept as given so that error messages print it the way the client sent it
-    if name in _BOOL_FIELDS:
-        if not isinstance(v, bool):
-            raise ValueError(f"{name} must be a boolean, got {v!r}.")
-        return v
-    if name in _STR_FIELDS:
-        if not isinstance(v, str):
-            raise ValueError(f"{name} must be a string, got {v!r}.")
+    if name in _TYPED_FIELDS:
+        kind, what = _TYPED_FIELDS[name]
+        if not isinstance(v, kind):
+            raise ValueError(f"{name} must be {what}, got {v!r}.")
         return v
     if name in _STR_LIST_FIELDS:
         return _as_str_list(name, v)
@@ -93,12 +91,8 @@ def _coerce(name: str, v: Any) -> Any:
 
 @dataclass
 class SamplingParams:
-    """Sampling parameters of one request (SGLang names and defaults, http_api.md §2).
-
-    After construction `stop` and `stop_regex` are lists of strings (a single string is
-    wrapped), `stop_token_ids` is a frozenset and `logit_bias` has string keys. Build from
-    JSON with `from_dict`, then call `verify(vocab_size)` before scheduling the request.
-    """
+    """Sampling parameters of one request (SGLang names and defaults, http_api.md §2): build from JSON with
+    `from_dict`, then call `verify(vocab_size)` before scheduling the request."""
 
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
@@ -127,20 +121,16 @@ class SamplingParams:
     custom_params: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
-        self.stop = [] if self.stop is None else [self.stop] if isinstance(self.stop, str) else list(self.stop)
-        self.stop_regex = ([] if self.stop_regex is None else [self.stop_regex] if isinstance(self.stop_regex, str)
-                           else list(self.stop_regex))
+        self.stop, self.stop_regex = ([] if v is None else [v] if isinstance(v, str) else list(v)
+                                      for v in (self.stop, self.stop_regex))
         self.stop_token_ids = frozenset(self.stop_token_ids or ())
         if self.logit_bias is not None:
             self.logit_bias = {str(k): v for k, v in self.logit_bias.items()}
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
-        """Parse a JSON `sampling_params` object; null values mean "use the default".
-
-        The exception is `max_new_tokens`, where null is a value: no limit (until EOS or the
-        context length). Raises `ValueError` for unknown keys and wrongly typed values.
-        """
+        """Parse a JSON `sampling_params` object; null means "the default" except for `max_new_tokens`, where it
+        means no limit. `ValueError` for unknown keys and wrongly typed values."""
         if d is None:
             return cls()
         if not isinstance(d, Mapping):

@@ -1,9 +1,6 @@
-"""Continuous batching: waiting queue -> prefill batches under a token budget (chunked, prefix-cache
-aware) -> all running requests decode together; retraction when slots run out; abort anywhere.
-
-Works on requests and the KV cache manager only (no model, no tensors): every slot question and
-action goes to `KVCacheManager`, whose `check_integrity` holds after every step.
-"""
+"""Continuous batching: waiting queue -> prefill batches under a token budget (chunked, prefix-cache aware) ->
+all running requests decode together; retraction when slots run out; abort anywhere. No model, no tensors:
+every slot question and action goes to `KVCacheManager`, whose `check_integrity` holds after every step."""
 
 from __future__ import annotations
 

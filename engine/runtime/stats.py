@@ -1,5 +1,4 @@
-"""A snapshot of the engine's state: what the server, metrics and load reports read (never the
-scheduler or the KV manager themselves)."""
+"""A snapshot of the engine's state: what the server, metrics and load reports read (never the scheduler)."""
 
 from __future__ import annotations
 

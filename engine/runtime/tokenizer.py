@@ -1,9 +1,5 @@
-"""Tokenizer wrapper (HF `tokenizer.json` + `tokenizer_config.json`) and incremental detokenization.
-
-`Tokenizer.from_dir(path)` reads a model directory offline: `tokenizer.json` is required,
-`tokenizer_config.json` (special tokens, `add_bos_token`, chat template) and
-`generation_config.json` (extra stop ids) are optional.
-"""
+"""Tokenizer wrapper (HF `tokenizer.json`; optional `tokenizer_config.json` and `generation_config.json`, read
+offline by `Tokenizer.from_dir`) and incremental detokenization."""
 
 from __future__ import annotations
 
