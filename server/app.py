@@ -20,7 +20,6 @@ from server.errors import ApiError, error_response, media_type, not_json_message
 from server.openai_protocol import document_request_bodies
 from server.routes_native import router as native_router
 from server.routes_openai import router as openai_router
-from server.routes_pools import router as pools_router
 from server.state import ServerState
 from server.submission import log_access
 
@@ -176,7 +175,6 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(native_router)
     app.include_router(openai_router)
-    app.include_router(pools_router)
     generated_openapi = app.openapi
 
     def openapi() -> dict:

@@ -44,19 +44,15 @@ class ServerArgs:
         return out
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
 def _add(p: argparse.ArgumentParser, name: str, default: Any) -> None:
+    flag = "--" + name.replace("_", "-")
     if isinstance(default, bool):
-        p.add_argument(_flag(name), action="store_true", default=default)
+        p.add_argument(flag, action="store_true", default=default)
     elif isinstance(default, list) or name == "cuda_graph_bs":
-        kind = int if name == "cuda_graph_bs" else str
-        p.add_argument(_flag(name), nargs="*", type=kind, default=default)
+        p.add_argument(flag, nargs="*", type=int if name == "cuda_graph_bs" else str, default=default)
     else:
         kind = int if name in INT_OR_NONE else {int: int, float: float}.get(type(default), str)
-        p.add_argument(_flag(name), type=kind, default=default)
+        p.add_argument(flag, type=kind, default=default)
 
 
 def build_parser() -> argparse.ArgumentParser:

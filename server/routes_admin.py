@@ -1,5 +1,10 @@
 """Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated
-`/get_*` aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3)."""
+`/get_*` aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3); the pool introspection
+routes /pools... (§6): metadata about the KV pools, never tensor contents.
+
+NOTE: counts are read from the event-loop thread while the engine thread runs; they are plain ints, so a
+reading is at worst one step old.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.runtime.request import NewRequest
 from engine.runtime.sampling_params import SamplingParams
+from mem_cache import BUFFER_NAMES, LayerIdError, MiniMaxSparseKVPool, MissingBufferError
+from mem_cache.pool_info import dtype_name
 from server import __version__
 from server.errors import ApiError
 from server.metrics import CONTENT_TYPE
@@ -116,9 +123,9 @@ def _warn_if_deprecated(request: Request) -> None:
 
 
 def _tokenizer(state: ServerState) -> Any:
-    if state.tokenizer is None:
+    if state.engine.tokenizer is None:
         raise ApiError(400, "this server runs with --skip-tokenizer-init: it has no tokenizer.")
-    return state.tokenizer
+    return state.engine.tokenizer
 
 
 @router.get("/get_load")
@@ -135,9 +142,9 @@ async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
     tok = _tokenizer(state)
     if isinstance(body.prompt, str):
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.context_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.context_len}
     batch = [tok.encode(p, add_special_tokens=body.add_special_tokens) for p in body.prompt]
-    return {"tokens": batch, "count": [len(x) for x in batch], "max_model_len": state.context_len}
+    return {"tokens": batch, "count": [len(x) for x in batch], "max_model_len": state.engine.context_len}
 
 
 @router.post("/detokenize")
@@ -161,3 +168,58 @@ async def metrics(request: Request) -> Response:
         return JSONResponse({"error": {"message": "metrics are disabled; start the server with --enable-metrics"}},
                             status_code=404)
     return Response(m.render(), media_type=CONTENT_TYPE)
+
+
+# ---- pool introspection: unknown layer 404, a buffer the layer lacks 409, unknown buffer name 400 ----------
+def _pool(request: Request) -> MiniMaxSparseKVPool:
+    return server_state(request).engine.pool
+
+
+def _layer_or_404(pool: MiniMaxSparseKVPool, layer_id: int) -> None:
+    try:
+        pool.layer_kind(layer_id)
+    except LayerIdError as e:
+        raise ApiError(404, str(e)) from None
+
+
+@router.get("/pools")
+async def pools(request: Request) -> dict[str, Any]:
+    eng = server_state(request).engine
+    pool, st = eng.pool, eng.stats()
+    return {
+        "pool_class": type(pool).__name__,
+        "device": str(pool.device),
+        "dtype": dtype_name(pool.dtype),
+        "page_size": pool.page_size,
+        "size_tokens": st.max_total_tokens,
+        "used_tokens": st.used_tokens,
+        "free_tokens": st.free_tokens,
+        "evictable_tokens": st.evictable_tokens,
+        "bytes_per_token": pool.bytes_per_token(),
+        "total_bytes": pool.total_bytes(),
+        "sub_pools": pool.sub_pools_info(),
+    }
+
+
+@router.get("/pools/layers")
+async def layers(request: Request) -> dict[str, Any]:
+    return {"layers": _pool(request).layers_info()}
+
+
+@router.get("/pools/layers/{layer_id}")
+async def layer(layer_id: int, request: Request) -> dict[str, Any]:
+    pool = _pool(request)
+    _layer_or_404(pool, layer_id)
+    return pool.layer_info(layer_id)
+
+
+@router.get("/pools/layers/{layer_id}/buffers/{buffer}")
+async def buffer(layer_id: int, buffer: str, request: Request) -> dict[str, Any]:
+    pool = _pool(request)
+    _layer_or_404(pool, layer_id)
+    if buffer not in BUFFER_NAMES:
+        raise ApiError(400, f"unknown buffer {buffer!r}; valid buffer names are {list(BUFFER_NAMES)}")
+    try:
+        return pool.buffer_info(layer_id, buffer)
+    except MissingBufferError as e:
+        raise ApiError(409, str(e)) from None

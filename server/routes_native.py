@@ -1,7 +1,5 @@
-"""SGLang-native routes: /generate (POST and PUT), /abort_request, /flush_cache (http_api.md §1, §3).
-
-Info, health, tokenizer and metrics routes live in `server.routes_admin`; this router includes them.
-"""
+"""SGLang-native routes: /generate (POST and PUT), /abort_request, /flush_cache (http_api.md §1, §3); the info,
+pool and utility routes of `server.routes_admin` are included in this router."""
 
 from __future__ import annotations
 
@@ -36,9 +34,9 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     started = time.monotonic()
     state = server_state(request)
     args = state.args
-    plan = plan_generate(body, state.tokenizer, args.engine.max_new_tokens_cap)
+    plan = plan_generate(body, state.engine.tokenizer, args.engine.max_new_tokens_cap)
     sub = Submission(state.async_engine, plan.reqs, "/generate", started)  # 400 / 503 before anything starts
-    shaper = NativeShaper(plan, state.tokenizer, args.incremental_streaming_output, started)
+    shaper = NativeShaper(plan, state.engine.tokenizer, args.incremental_streaming_output, started)
     if plan.stream:
         def frame(i: int, out: RequestOutput) -> str | None:
             body = shaper.frame(i, out, sub.joined[i])

@@ -1,8 +1,5 @@
-"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (http_api.md §3).
-
-Every request is parsed, tokenized and submitted (the engine validates it) before a response starts,
-so bad input is a 400 (flat OpenAI envelope, server/errors.py) even for `stream: true`.
-"""
+"""OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (http_api.md §3). Every request
+is parsed, tokenized and submitted before a response starts, so bad input is a 400 even for `stream: true`."""
 
 from __future__ import annotations
 
@@ -30,9 +27,9 @@ MODEL_ALIASES = ("default",)  # what a client that names no model sends (the req
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    name = state.model_name
+    name = state.args.model_name
     return {"id": name, "object": "model", "created": int(state.started), "owned_by": "sglang", "root": name,
-            "parent": None, "max_model_len": state.context_len}
+            "parent": None, "max_model_len": state.engine.context_len}
 
 
 def _no_model(model_id: str) -> JSONResponse:
@@ -49,7 +46,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     state = server_state(request)
-    return JSONResponse(_model_card(state)) if model_id == state.model_name else _no_model(model_id)
+    return JSONResponse(_model_card(state)) if model_id == state.args.model_name else _no_model(model_id)
 
 
 # ---- what both generation routes share ----------------------------------------------------------------
@@ -70,16 +67,16 @@ def _check(state: ServerState, req: SamplingFields) -> Tokenizer:
     """The route-level rules (unsupported features, the model name, logprob limits); the tokenizer."""
     if (problem := req.unsupported()) is not None:
         raise ApiError(400, problem)
-    if req.model != state.model_name and req.model not in MODEL_ALIASES:
-        raise ApiError(404, f"The model '{req.model}' does not exist (this server serves '{state.model_name}').",
+    if req.model != state.args.model_name and req.model not in MODEL_ALIASES:
+        raise ApiError(404, f"The model '{req.model}' does not exist (this server serves '{state.args.model_name}').",
                        {"param": "model"})
     cap = state.args.max_logprobs
     if req.prompt_logprobs is not None and not (req.prompt_logprobs == -1 or 0 <= req.prompt_logprobs <= cap):
         raise ApiError(400, f"prompt_logprobs must be -1 or in [0, {cap}] (--max-logprobs), got {req.prompt_logprobs}.",
                        {"param": "prompt_logprobs"})
-    if state.tokenizer is None:
+    if state.engine.tokenizer is None:
         raise ApiError(400, "the OpenAI routes need a tokenizer; this server runs with --skip-tokenizer-init.")
-    return state.tokenizer
+    return state.engine.tokenizer
 
 
 def _logprob(state: ServerState, req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions | None:

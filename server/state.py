@@ -9,7 +9,6 @@ from typing import Any
 from fastapi import Request
 
 from engine.runtime.engine import Engine
-from engine.runtime.tokenizer import Tokenizer
 from server.args import ServerArgs
 from server.async_engine import AsyncEngine
 
@@ -33,18 +32,6 @@ class ServerState:
         if self.async_engine.warming:
             return "warming_up"
         return "ready" if self.healthy else "starting"
-
-    @property
-    def tokenizer(self) -> Tokenizer | None:
-        return self.engine.tokenizer
-
-    @property
-    def model_name(self) -> str:
-        return self.args.model_name
-
-    @property
-    def context_len(self) -> int:
-        return self.engine.context_len
 
 
 def server_state(request: Request) -> ServerState:
