@@ -1,9 +1,6 @@
-"""Prometheus metrics with SGLang's names (http_api.md §3 /metrics), in a registry of their own.
-
-Request-side counters and histograms are fed on the event loop: `on_submit(rids, now)` when
-AsyncEngine accepts a request, `observe(out, now)` for every output. Scheduler and pool gauges are
-read from the engine at scrape time (plain ints and list lengths: safe to read from the loop thread).
-"""
+"""Prometheus metrics with SGLang's names (http_api.md §3 /metrics), in a registry of their own: request
+counters and histograms fed on the event loop; scheduler and pool gauges read from the engine at scrape time
+(plain ints and list lengths: safe to read from the loop thread)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""The native /generate request and response shapes (http_api.md §1.1-1.6).
-
-`plan_generate` turns a `GenerateReqInput` into the engine's requests (prompts, batch and rid rules,
-per-prompt logprob arguments); the engine validates the values. `NativeShaper` turns a sequence's
-joined output (or its delta) into a response body or a stream frame; logprob entries are
-`[logprob, id, text]`.
-"""
+"""The native /generate request and response shapes (http_api.md §1.1-1.6): `plan_generate` makes the engine's
+requests of a body (the engine validates the values), `NativeShaper` its response bodies and stream frames."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""Pydantic request models of the OpenAI-compatible API: /v1/completions and /v1/chat/completions
-(http_api.md §3); the response models are in server/openai_responses.py.
-
-Requests ignore unknown keys (like OpenAI and SGLang); wrongly typed values are a 400 (routes_openai).
-`SamplingFields.sampling_dict` translates the OpenAI names into `SamplingParams` names.
-"""
+"""Pydantic request models of /v1/completions and /v1/chat/completions (http_api.md §3; the responses are in
+server/openai_format.py): unknown keys ignored (like OpenAI and SGLang), wrong types a 400 (routes_openai)."""
 
 from __future__ import annotations
 
@@ -57,6 +53,13 @@ class SamplingFields(BaseModel):
             raise ValueError(f"seed must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {v}")
         return v
 
+    @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
+    @classmethod
+    def _max_tokens(cls, v: int | None, info: Any) -> int | None:
+        if v is not None and v <= 0:
+            raise ValueError(f"{info.field_name} must be positive, got {v}")
+        return v
+
     @model_validator(mode="after")
     def _stream_options(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
@@ -95,23 +98,12 @@ class SamplingFields(BaseModel):
         return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
-def _positive(v: int | None, name: str) -> int | None:
-    if v is not None and v <= 0:
-        raise ValueError(f"{name} must be positive, got {v}")
-    return v
-
-
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     logprobs: int | None = Field(default=None, ge=0)
     echo: bool | None = False
     suffix: str | None = None
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int | None) -> int | None:
-        return _positive(v, "max_tokens")
 
     def unsupported(self) -> str | None:
         if self.suffix:
@@ -138,11 +130,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
-
-    @field_validator("max_tokens", "max_completion_tokens")
-    @classmethod
-    def _max_tokens(cls, v: int | None, info: Any) -> int | None:
-        return _positive(v, info.field_name)
 
     def unsupported(self) -> str | None:
         if self.tools:

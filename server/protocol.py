@@ -1,9 +1,6 @@
-"""Pydantic models of the native API's request bodies (http_api.md §1.1, §3).
-
-Types are strict where SGLang's dataclass binding would reject a value: `"stream": "x"` or
-`"text": 5` is a 400 (never coerced, never a 422). Unknown top-level keys are ignored, like
-SGLang's. Each shape check raises one readable message instead of pydantic's per-union-branch list.
-Sampling parameters stay a plain dict here: `SamplingParams.from_dict` owns their validation.
+"""Pydantic models of the native API's request bodies (http_api.md §1.1, §3): strict types (`"stream": "x"` is a
+400, never coerced), unknown keys ignored like SGLang's, one readable message per shape check instead of
+pydantic's per-union-branch list. Sampling parameters stay a dict: `SamplingParams.from_dict` validates them.
 """
 
 from __future__ import annotations
@@ -15,17 +12,9 @@ from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, fi
 
 def _kind(v: Any) -> str:
     """The JSON type name of a value, for error messages."""
-    if v is None:
-        return "null"
-    if isinstance(v, bool):
-        return "boolean"
-    if isinstance(v, (int, float)):
-        return "number"
-    if isinstance(v, str):
-        return "string"
-    if isinstance(v, list):
-        return "array"
-    return "object" if isinstance(v, dict) else type(v).__name__
+    names = ((type(None), "null"), (bool, "boolean"), ((int, float), "number"), (str, "string"), (list, "array"),
+             (dict, "object"))
+    return next((name for t, name in names if isinstance(v, t)), type(v).__name__)
 
 
 def _is_int(v: Any) -> bool:

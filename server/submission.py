@@ -1,10 +1,6 @@
-"""One HTTP request's sequences in the engine, from submit to the last output: the one way every
-generation route goes (native /generate, /v1/completions, /v1/chat/completions, /health_generate).
-
-A `Submission` submits all its sequences (all or nothing), reads their outputs as they arrive (joined
-per sequence), turns a server-side failure into its HTTP error, and aborts whatever has not
-finished however the request ends: done, client gone, error or shutdown. `SSEResponse` streams its
-frames and guarantees that last step.
+"""One HTTP request's sequences in the engine, from submit (all or nothing) to the last output: the one way
+every generation route goes. However the request ends (done, client gone, error, shutdown), whatever has not
+finished is aborted; `SSEResponse` guarantees that for streams.
 """
 
 from __future__ import annotations
