@@ -1,7 +1,5 @@
-"""KV cache: SGLang-style token pools for a model with dense and block-sparse attention layers, and the
-manager that owns token slots, request rows and the prefix cache.
-
-Knows no model and no HTTP: nothing here imports `engine/` or `server/`.
+"""KV cache: SGLang-style token pools for dense and block-sparse attention layers, and the manager that owns
+token slots, request rows and the prefix cache. Knows no model and no HTTP: nothing here imports engine/ or server/.
 """
 
 from mem_cache.allocator import TokenSlotAllocator
@@ -13,21 +11,6 @@ from mem_cache.radix_cache import RadixCache, TreeNode
 from mem_cache.req_to_token import ReqToTokenPool
 from mem_cache.sparse_pool import MiniMaxSparseKVPool
 
-__all__ = [
-    "BUFFER_NAMES",
-    "LAYER_KINDS",
-    "BufferLocation",
-    "KOnlyPoolError",
-    "KVCacheManager",
-    "LayerIdError",
-    "MHATokenToKOnlyPool",
-    "MHATokenToKVPool",
-    "MiniMaxSparseKVPool",
-    "MissingBufferError",
-    "PoolExhaustedError",
-    "RadixCache",
-    "ReqKV",
-    "ReqToTokenPool",
-    "TokenSlotAllocator",
-    "TreeNode",
-]
+__all__ = ["BUFFER_NAMES", "LAYER_KINDS", "BufferLocation", "KOnlyPoolError", "KVCacheManager", "LayerIdError",
+           "MHATokenToKOnlyPool", "MHATokenToKVPool", "MiniMaxSparseKVPool", "MissingBufferError", "PoolExhaustedError",
+           "RadixCache", "ReqKV", "ReqToTokenPool", "TokenSlotAllocator", "TreeNode"]

@@ -1,9 +1,6 @@
-"""KVCacheManager: the one owner of token slots, request rows and the prefix cache.
-
-Every allocatable slot is, at any time, exactly one of: free (in the allocator), held by the radix
-tree, or owned by one live request. The scheduler asks questions (`can_admit`, `can_allocate`) and
-then acts (`admit`, `allocate`, `release`); it never touches the allocator, the tree or the table.
-"""
+"""KVCacheManager: the one owner of token slots, request rows and the prefix cache; every allocatable slot is,
+at any time, exactly one of: free (in the allocator), held by the radix tree, or owned by one live request.
+The scheduler asks (`can_admit`, `can_allocate`) then acts (`admit`, `allocate`, `release`), nothing more."""
 
 from __future__ import annotations
 
@@ -20,11 +17,8 @@ from mem_cache.req_to_token import ReqToTokenPool
 
 @dataclass(eq=False)
 class ReqKV:
-    """One live request's KV, as the manager tracks it: read it, change it only through the manager.
-
-    `slots[i]` holds position i's K/V for the first `num_computed` tokens; the first `cached` of them
-    are the radix tree's (shared, locked through `node`), the rest are the request's own.
-    """
+    """One live request's KV (change it only through the manager): `slots[i]` holds position i's K/V; the first
+    `cached` are the radix tree's (shared, locked through `node`), the rest the request's own."""
 
     row: int  # the request's row of the req_to_token table
     slots: torch.Tensor
