@@ -134,30 +134,22 @@ def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="minimax-microserver", lifespan=lifespan)
     app.state.server = state
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError):
-        return refused(request, 400, _validation_message(exc, request.headers.get("content-type", "")))
-
-    @app.exception_handler(ApiError)
-    async def _api(request: Request, exc: ApiError):
-        return refused(request, exc.status, exc.message, exc.extra, logged=exc.logged)
-
-    @app.exception_handler(ValueError)
-    async def _value(request: Request, exc: ValueError):
-        return refused(request, 400, str(exc))
-
-    @app.exception_handler(EngineDeadError)
-    async def _dead(request: Request, exc: EngineDeadError):
-        return refused(request, 503, str(exc))
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException):
-        return refused(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception):
+    async def on_error(request: Request, exc: Exception) -> JSONResponse:
+        """Every error in its path's envelope: 400 for bad input, ApiError's or HTTPException's status, 503 for a
+        dead engine, 500 (logged) for anything else."""
+        if isinstance(exc, RequestValidationError):
+            return refused(request, 400, _validation_message(exc, request.headers.get("content-type", "")))
+        if isinstance(exc, ApiError):
+            return refused(request, exc.status, exc.message, exc.extra, logged=exc.logged)
+        if isinstance(exc, StarletteHTTPException):
+            return refused(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        if isinstance(exc, (ValueError, EngineDeadError)):
+            return refused(request, 503 if isinstance(exc, EngineDeadError) else 400, str(exc))
         logger.exception("unhandled error on %s", request.url.path)
         return refused(request, 500, f"internal server error: {type(exc).__name__}")
+
+    for exc_type in (RequestValidationError, ApiError, ValueError, EngineDeadError, StarletteHTTPException, Exception):
+        app.add_exception_handler(exc_type, on_error)
 
     @app.get("/health")
     async def health() -> Response:

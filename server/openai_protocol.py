@@ -16,8 +16,6 @@ class StreamOptions(BaseModel):
 class SamplingFields(BaseModel):
     """The request fields shared by completions and chat (OpenAI names plus SGLang's extras)."""
 
-    model_config = ConfigDict(extra="ignore")
-
     model: str = "default"
     n: int | None = 1
     stream: bool | None = False

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt, StrictStr, field_validator
+from pydantic import BaseModel, StrictBool, StrictInt, StrictStr, field_validator
 
 
 def _kind(v: Any) -> str:
@@ -64,8 +64,6 @@ _SCALAR_OR_LIST = {"text": (str, "a string"), "rid": (str, "a string"), "samplin
 class GenerateReqInput(BaseModel):
     """POST /generate (§1.1). Shapes only; batch and value rules live in `server.native`."""
 
-    model_config = ConfigDict(extra="ignore")
-
     text: StrictStr | list[StrictStr] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None
     input_embeds: Any = None  # refused: out of scope
@@ -102,16 +100,12 @@ class GenerateReqInput(BaseModel):
 class AbortReq(BaseModel):
     """POST /abort_request (§3): an empty rid without abort_all aborts nothing."""
 
-    model_config = ConfigDict(extra="ignore")
-
     rid: StrictStr = ""
     abort_all: StrictBool = False
 
 
 class TokenizeReq(BaseModel):
     """POST /tokenize: `{"prompt": str | [str], "add_special_tokens": true}`."""
-
-    model_config = ConfigDict(extra="ignore")
 
     prompt: StrictStr | list[StrictStr]
     add_special_tokens: StrictBool = True
@@ -124,8 +118,6 @@ class TokenizeReq(BaseModel):
 
 class DetokenizeReq(BaseModel):
     """POST /detokenize: `{"tokens": [int] | [[int]], "skip_special_tokens": true}`."""
-
-    model_config = ConfigDict(extra="ignore")
 
     tokens: list[StrictInt] | list[list[StrictInt]]
     skip_special_tokens: StrictBool = True

@@ -7,6 +7,7 @@ import uuid
 from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
@@ -58,9 +59,7 @@ async def _parse(request: Request, model: type[M]) -> M:
     try:
         return model.model_validate_json(await request.body())
     except ValidationError as e:
-        parts = [f"{'.'.join(str(x) for x in err.get('loc', ())) or 'body'}: "
-                 f"{str(err.get('msg', 'invalid value')).removeprefix('Value error, ')}" for err in e.errors()]
-        raise ApiError(400, "Invalid request: " + "; ".join(parts)) from None
+        raise RequestValidationError(e.errors()) from None  # the app's 400, "Invalid request: <field>: ..."
 
 
 def _check(state: ServerState, req: SamplingFields) -> Tokenizer:
