@@ -11,12 +11,8 @@ from mem_cache.allocator import TokenSlotAllocator
 
 
 class TreeNode:
-    """One edge of the tree: a run of token ids (`key`) and the slots holding their KV (`value`).
-
-    `children` maps the first token of a child's key to the child. `lock_ref` counts the requests
-    using this node (directly or through a descendant); a locked node is never evicted.
-    `last_access` is the cache's logical clock at the last match or insert through it (LRU order).
-    """
+    """One edge: a run of token ids (`key`), the slots holding their KV (`value`), children by first token.
+    `lock_ref` counts the requests using it (a locked node is never evicted); `last_access` is the LRU clock."""
 
     __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access", "node_id")
 
@@ -88,24 +84,13 @@ class RadixCache:
         the match ends inside is split there). Lock the node before anything can evict."""
         if self.disable:
             return self._empty(), self.root
-        tokens, now = list(token_ids), self._tick()
-        node, pos, values = self.root, 0, []
-        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
-            child.last_access = now
-            m = _common(child.key, tokens, pos)
-            if m < len(child.key):
-                child = self._split(child, m)
-            values.append(child.value)
-            node, pos = child, pos + m
+        node, _, values = self._descend(list(token_ids), split_inside=True)
         return self._cat(values), node
 
     def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, locked_node: TreeNode) -> None:
-        """Hand a finished (or aborted) request's KV to the tree and release its lock.
-
-        `slots[i]` holds the KV of `token_ids[i]`; the first ones may be the tree's own (from
-        `match_prefix`). The request's slots for tokens the tree already holds elsewhere are freed.
-        Disabled: every slot is freed.
-        """
+        """Hand a finished (or aborted) request's KV to the tree and release its lock. `slots[i]` holds the KV of
+        `token_ids[i]` (the first ones may be the tree's, from `match_prefix`); slots of tokens the tree already
+        holds elsewhere are freed (disabled: every slot)."""
         slots = slots.reshape(-1).to(device=self.allocator.device, dtype=torch.int64)
         if slots.numel() != len(token_ids):
             raise ValueError(f"RadixCache: {slots.numel()} slots given for {len(token_ids)} tokens")
@@ -226,25 +211,27 @@ class RadixCache:
         upper.children[node.key[0]] = node
         return upper
 
-    def _insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Insert `tokens`; return how many leading tokens were present and the tree's slots for them.
-        The slots of the newly inserted tokens now belong to the tree."""
+    def _descend(self, tokens: list[int], split_inside: bool) -> tuple[TreeNode, int, list[torch.Tensor]]:
+        """Follow `tokens` from the root, touching each node passed: the deepest node reached, the tokens matched
+        and their slots. A match ending inside a node splits it, unless it ends `tokens` and not `split_inside`."""
         now = self._tick()
-        node, pos, shared = self.root, 0, []
-        while pos < len(tokens):
-            child = node.children.get(tokens[pos])
-            if child is None:
-                node.children[tokens[pos]] = self._node(tokens[pos:], slots[pos:].clone(), node)
-                self._evictable += len(tokens) - pos
-                break
+        node, pos, values = self.root, 0, []
+        while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
             child.last_access = now
             m = _common(child.key, tokens, pos)
             if m < len(child.key):
-                if pos + m == len(tokens):  # ends inside the child: no split needed
-                    shared.append(child.value[:m])
-                    pos += m
-                    break
+                if not split_inside and pos + m == len(tokens):
+                    return child, len(tokens), [*values, child.value[:m]]
                 child = self._split(child, m)
-            shared.append(child.value)
+            values.append(child.value)
             node, pos = child, pos + m
-        return sum(v.numel() for v in shared), self._cat(shared)
+        return node, pos, values
+
+    def _insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[int, torch.Tensor]:
+        """Insert `tokens`; return how many leading tokens were present and the tree's slots for them.
+        The slots of the newly inserted tokens now belong to the tree."""
+        node, pos, shared = self._descend(tokens, split_inside=False)
+        if pos < len(tokens):
+            node.children[tokens[pos]] = self._node(tokens[pos:], slots[pos:].clone(), node)
+            self._evictable += len(tokens) - pos
+        return pos, self._cat(shared)
