@@ -51,13 +51,7 @@ def check_buffer_name(buffer: str) -> None:
 
 
 def elements_per_token(kind: str, head_num: int, head_dim: int, index_head_dim: int) -> int:
-    """Cached elements per token for ONE layer of `kind` (model.md §5)."""
-    main = 2 * head_num * head_dim
-    if kind == DENSE:
-        return main
-    if kind == SPARSE_INDEX_KV:
-        return main + 2 * index_head_dim
-    if kind == SPARSE_K_ONLY:
-        return main + index_head_dim
-    raise ValueError(f"unknown layer kind {kind!r}; valid kinds are {list(LAYER_KINDS)}")
-
+    """Cached elements per token for ONE layer of `kind` (model.md §5): main K and V, and its index buffers."""
+    if kind not in KIND_BUFFERS:
+        raise ValueError(f"unknown layer kind {kind!r}; valid kinds are {list(LAYER_KINDS)}")
+    return 2 * head_num * head_dim + index_head_dim * len(KIND_BUFFERS[kind] - {"key", "value"})

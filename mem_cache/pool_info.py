@@ -1,8 +1,5 @@
-"""Introspection and self-check of `MiniMaxSparseKVPool`: metadata, never tensor contents.
-
-The data behind GET /pools, /pools/layers and /pools/layers/{id}/buffers/{buffer} (http_api.md §6):
-generic code asks here first, so it never has to catch an exception to learn what a layer lacks.
-"""
+"""Introspection and self-check of `MiniMaxSparseKVPool`: metadata, never tensor contents (GET /pools...,
+http_api.md §6); generic code asks here first, so it never has to catch an exception to learn what a layer lacks."""
 
 from __future__ import annotations
 
@@ -29,10 +26,6 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _same_device(t: torch.Tensor, device: torch.device) -> bool:
-    return t.device.type == device.type and (device.index is None or t.device.index == device.index)
-
-
 class SparsePoolInfoMixin:
     """Introspection half of `MiniMaxSparseKVPool`; all `layer_id` arguments are GLOBAL layer ids."""
 
@@ -49,17 +42,14 @@ class SparsePoolInfoMixin:
     index_k_pool: MHATokenToKOnlyPool | None
     _routes: list[dict[str, BufferLocation | None]]
 
-    def _check_layer(self, layer_id: int) -> None:
-        check_layer_id(layer_id, self.num_layers)
-
     def layer_kind(self, layer_id: int) -> str:
         """ "dense" | "sparse_index_kv" | "sparse_k_only"."""
-        self._check_layer(layer_id)
+        check_layer_id(layer_id, self.num_layers)
         return self.layer_kinds[layer_id]
 
     def buffer_location(self, layer_id: int, buffer: str) -> BufferLocation | None:
         """The sub-pool and local id holding `buffer` of `layer_id`, or None if the layer lacks it."""
-        self._check_layer(layer_id)
+        check_layer_id(layer_id, self.num_layers)
         check_buffer_name(buffer)
         return self._routes[layer_id][buffer]
 
@@ -87,11 +77,6 @@ class SparsePoolInfoMixin:
         pools = [self.main_pool, self.index_kv_pool, self.index_k_pool]
         return [p for p in pools if p is not None]
 
-    def _buffer_tensor(self, loc: BufferLocation, buffer: str) -> torch.Tensor:
-        if buffer in ("key", "index_key"):
-            return loc.pool.get_key_buffer(loc.local_layer_id)
-        return loc.pool.get_value_buffer(loc.local_layer_id)
-
     def layer_info(self, layer_id: int) -> dict[str, Any]:
         """One LayerInfo (http_api.md §6): kind, which buffers exist, where, their shapes, bytes/token."""
         kind = self.layer_kind(layer_id)
@@ -115,7 +100,8 @@ class SparsePoolInfoMixin:
         loc = self.buffer_location(layer_id, buffer)
         if loc is None:
             raise self._missing_buffer_error(layer_id, buffer)
-        t = self._buffer_tensor(loc, buffer)
+        get = loc.pool.get_key_buffer if buffer in ("key", "index_key") else loc.pool.get_value_buffer
+        t = get(loc.local_layer_id)
         return {
             "layer_id": layer_id,
             "buffer": buffer,
@@ -195,6 +181,8 @@ class SparsePoolInfoMixin:
         for t in tensors:
             assert tuple(t.shape) == shape, f"{tag}: buffer shape {tuple(t.shape)} != {shape}"
             assert t.dtype == self.dtype, f"{tag}: buffer dtype {t.dtype} != {self.dtype}"
-            assert _same_device(t, self.device), f"{tag}: buffer on {t.device}, pool device {self.device}"
+            dev = self.device
+            assert t.device.type == dev.type and dev.index in (None, t.device.index), (
+                f"{tag}: buffer on {t.device}, pool device {dev}")
         expected = len(tensors) * shape[0] * head_num * head_dim * self.dtype.itemsize
         assert pool.total_bytes() == expected, f"{tag}: total_bytes {pool.total_bytes()} != {expected}"
