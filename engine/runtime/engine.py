@@ -213,10 +213,7 @@ class Engine:
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every queued and running request with an error (after a failed step); report them."""
-        with self._cond:
-            new, self._inbox = self._inbox, []
-        for r, rid in new:
-            self._expand(r, rid)
+        self._drain_inbox()
         for req in self._scheduler.requests():
             self._end(req, {"type": "abort", "message": message, "status_code": 500}, message)
         return self._collect()

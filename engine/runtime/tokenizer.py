@@ -172,6 +172,8 @@ class IncrementalDetokenizer:
         return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
 
     def _delta(self, final: bool) -> str:
+        if len(self._ids) == self._read_offset:
+            return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset)
         if len(full_text) <= len(prefix_text):
@@ -187,12 +189,8 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
         self._ids.extend(new_ids)
-        if len(self._ids) == self._read_offset:
-            return ""
         return self._delta(final=False)
 
     def flush(self) -> str:
         """Emit anything held back (incomplete characters come out as U+FFFD)."""
-        if len(self._ids) == self._read_offset:
-            return ""
         return self._delta(final=True)
