@@ -62,7 +62,7 @@ _SCALAR_OR_LIST = {"text": (str, "a string"), "rid": (str, "a string"), "samplin
 
 
 class GenerateReqInput(BaseModel):
-    """POST /generate (§1.1). Shapes only; batch and value rules live in `server.native`."""
+    """POST /generate (§1.1). Shapes only; batch and value rules live in `server.routes_native`."""
 
     text: StrictStr | list[StrictStr] | None = None
     input_ids: list[StrictInt] | list[list[StrictInt]] | None = None

@@ -1,19 +1,26 @@
-"""SGLang-native routes: /generate (POST and PUT), /abort_request, /flush_cache (http_api.md §1, §3); the info,
-pool and utility routes of `server.routes_admin` are included in this router."""
+"""SGLang-native routes: /generate (POST and PUT), /abort_request, /flush_cache (http_api.md §1, §3), with the
+info, pool and utility routes of `server.routes_admin`. `plan_generate` makes the engine's requests of a
+/generate body (the engine validates the values, and duplicate rids), `NativeShaper` its bodies and frames."""
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import time
+import uuid
+from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from engine.runtime.request import RequestOutput
+from engine.runtime.request import JoinedOutput, LogprobOptions, Logprobs, NewRequest, RequestOutput
+from engine.runtime.sampling_params import SamplingParams
+from engine.runtime.tokenizer import Tokenizer
+from server.async_engine import merge
 from server.errors import sse_error
-from server.native import NativeShaper, plan_generate
 from server.protocol import AbortReq, GenerateReqInput
 from server.routes_admin import router as admin_router
 from server.state import server_state
@@ -25,6 +32,158 @@ router.include_router(admin_router)
 
 FLUSH_NOTE = ("\nPlease check backend logs for more details. (When there are running or waiting requests, the "
               "operation will not be performed.)\n")
+
+
+@dataclass
+class GenPlan:
+    reqs: list[NewRequest]
+    single: bool  # one prompt given as a scalar and n == 1: the response is an object, not a list
+    stream: bool
+    text_in_logprobs: bool
+
+
+def _prompts(req: GenerateReqInput, tok: Tokenizer | None) -> tuple[list[list[int]], bool]:
+    """The prompts as token ids, and whether the input was a scalar (one prompt, not a batch)."""
+    if req.input_embeds is not None:
+        raise ValueError("input_embeds is not supported by this server; send text or input_ids.")
+    if (req.text is None) == (req.input_ids is None):
+        raise ValueError("Either text, input_ids or input_embeds should be provided." if req.text is None
+                         else "Either text or input_ids should be provided, not both.")
+    if req.input_ids is not None:
+        ids = req.input_ids
+        return ([list(ids)], True) if not ids or isinstance(ids[0], int) else ([list(x) for x in ids], False)
+    if tok is None:
+        raise ValueError("text input needs a tokenizer, but this server runs with --skip-tokenizer-init: "
+                         "send input_ids instead.")
+    texts = [req.text] if isinstance(req.text, str) else list(req.text)
+    prompts = [tok.encode(t) for t in texts]
+    for t, p in zip(texts, prompts):
+        if not p:
+            raise ValueError(f"text {t!r} encodes to no tokens; send a non-empty prompt.")
+    return prompts, isinstance(req.text, str)
+
+
+def _per_prompt(name: str, value: Any, k: int, n: int, default: Any, listy: bool = False) -> list[Any]:
+    """Broadcast a scalar argument, or check a per-prompt list against the batch."""
+    if value is None:
+        return [default] * k
+    if not isinstance(value, list) or (listy and not (value and isinstance(value[0], list))):
+        return [value] * k
+    if n > 1:
+        raise ValueError(f"{name} given as a list is not supported together with n > 1 (n={n}).")
+    if len(value) != k:
+        raise ValueError(f"{name} has {len(value)} entries but the batch has {k} prompts.")
+    return list(value)
+
+
+def _rids(rid: str | list[str] | None, k: int, single: bool) -> list[str]:
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(k)]
+    if isinstance(rid, str):
+        return [rid] if single else [f"{rid}_{i}" for i in range(k)]
+    if len(rid) != k:
+        raise ValueError(f"The specified rids length ({len(rid)}) should be equal to the batch size ({k}).")
+    return list(rid)
+
+
+def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None) -> GenPlan:
+    """The engine requests of a /generate body; raises ValueError (400) for shape and batch errors."""
+    prompts, scalar = _prompts(req, tok)
+    k = len(prompts)
+    if k == 0:
+        raise ValueError("The batch is empty: give at least one prompt.")
+    raws = _per_prompt("sampling_params", req.sampling_params, k, 1, {})
+    if scalar and isinstance(req.sampling_params, list) and len(req.sampling_params) != 1:
+        raise ValueError("sampling_params must be an object (or a 1-element list) for a single prompt.")
+    params = [SamplingParams.from_dict(r) for r in raws]
+    if cap is not None:  # the default max_new_tokens yields to the server's cap; an explicit value does not
+        params = [p if "max_new_tokens" in r else p.derive(max_new_tokens=min(p.max_new_tokens or cap, cap))
+                  for p, r in zip(params, raws)]
+    n = params[0].n
+    if any(p.n != n for p in params):
+        raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
+    ret = _per_prompt("return_logprob", req.return_logprob, k, n, False)
+    start = _per_prompt("logprob_start_len", req.logprob_start_len, k, n, -1)
+    top = _per_prompt("top_logprobs_num", req.top_logprobs_num, k, n, 0)
+    ids = _per_prompt("token_ids_logprob", req.token_ids_logprob, k, n, None, listy=True)
+    rids = _rids(req.rid, k, scalar)
+    reqs = [NewRequest(prompt, params[i], LogprobOptions(bool(ret[i]), start[i] if ret[i] else -1,
+                                                         top[i] if ret[i] else 0,
+                                                         (list(ids[i]) or None) if ret[i] and ids[i] else None), rids[i])
+            for i, prompt in enumerate(prompts)]
+    return GenPlan(reqs, scalar and n == 1, bool(req.stream), bool(req.return_text_in_logprobs))
+
+
+class NativeShaper:
+    """Response bodies and stream frames of one /generate call's sequences."""
+
+    def __init__(self, plan: GenPlan, tok: Tokenizer | None, incremental: bool, started: float) -> None:
+        self.tok, self.incremental, self.started = tok, incremental, started
+        self.text_in_logprobs = plan.text_in_logprobs and tok is not None
+        self.opts = [r.logprob for r in plan.reqs for _ in range(r.params.n)]
+        self.interval = [max(1, r.params.stream_interval or 1) for r in plan.reqs for _ in range(r.params.n)]
+        self.multi = not plan.single
+        self._sent = [0] * len(self.opts)  # completion tokens at each sequence's last frame
+        self._pending: dict[int, RequestOutput] = {}  # deltas not sent yet (stream_interval, incremental)
+        self._texts: dict[int, str] = {}
+
+    def body(self, i: int, res: JoinedOutput) -> dict[str, Any]:
+        """The whole result so far (the non-stream response; a cumulative stream frame)."""
+        return self._shape(i, res.last, res.text, res.output_ids, res.logprobs)
+
+    def frame(self, i: int, out: RequestOutput, res: JoinedOutput) -> dict[str, Any] | None:
+        """The stream frame for sequence i's new output, or None while stream_interval holds it."""
+        if i in self._pending:
+            out = merge(self._pending.pop(i), out)
+        if not out.finished and self._sent[i] and out.completion_tokens - self._sent[i] < self.interval[i]:
+            self._pending[i] = out
+            return None
+        self._sent[i] = out.completion_tokens
+        body = (self._shape(i, out, out.new_text, out.new_ids, out.logprobs) if self.incremental
+                else self.body(i, res))
+        if self.multi:
+            body["index"] = i
+        return body
+
+    def _shape(self, i: int, out: RequestOutput, text: str, ids: list[int], lp: Logprobs | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": out.rid, "finish_reason": out.finish_reason if out.finished else None,
+                                "prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+                                "cached_tokens": out.cached_tokens, "weight_version": "default",
+                                "num_retractions": out.num_retractions}
+        if out.finished:
+            meta["e2e_latency"] = round(time.monotonic() - self.started, 6)
+        if self.opts[i].return_logprob:
+            meta.update(self._logprobs(i, lp or Logprobs(), len(ids)))
+        body: dict[str, Any] = {"text": text} if self.tok is not None else {}
+        body["output_ids"] = list(ids)
+        body["meta_info"] = meta
+        return body
+
+    def _logprobs(self, i: int, lp: Logprobs, n_out: int) -> dict[str, Any]:
+        res: dict[str, Any] = {"input_token_logprobs": self._entries(lp.input_token),
+                               "output_token_logprobs": self._entries(lp.output_token),
+                               "output_token_logprobs_length": n_out}
+        if self.opts[i].top_logprobs_num > 0:
+            res["input_top_logprobs"] = [self._maybe(p) for p in lp.input_top]
+            res["output_top_logprobs"] = [self._maybe(p) for p in lp.output_top]
+        if self.opts[i].token_ids_logprob:
+            res["input_token_ids_logprobs"] = [self._maybe(p) for p in lp.input_ids]
+            res["output_token_ids_logprobs"] = [self._maybe(p) for p in lp.output_ids]
+        return res
+
+    def _maybe(self, entries: list | None) -> list | None:
+        return None if entries is None else self._entries(entries)
+
+    def _entries(self, entries: list) -> list[list[Any]]:
+        # NOTE: JSON has no -inf; a logprob that underflowed is sent as null.
+        return [[v if v is None or math.isfinite(v) else None, t, self._text(t)] for v, t in entries]
+
+    def _text(self, token_id: int) -> str | None:
+        if not self.text_in_logprobs:
+            return None
+        if token_id not in self._texts:
+            self._texts[token_id] = self.tok.decode([token_id])  # type: ignore[union-attr]
+        return self._texts[token_id]
 
 
 @router.put("/generate", operation_id="generate_put")
