@@ -14,11 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
-MAX_N = 128
-"""Upper bound on `n` (parallel samples per prompt)."""
-
-GREEDY_EPS = 1e-6
-"""Temperatures below this are treated as greedy decoding (SGLang sets top_k=1 there)."""
+MAX_N = 128  # upper bound on `n` (parallel samples per prompt)
+GREEDY_EPS = 1e-6  # temperatures below this are greedy decoding (SGLang sets top_k=1 there)
 
 _INT_FIELDS = frozenset({"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"})
 _FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
@@ -145,32 +142,23 @@ class SamplingParams:
 
     def verify(self, vocab_size: int) -> None:
         """Raise `ValueError` with SGLang's message if a value is out of range."""
-        t = self.temperature
-        if not (math.isfinite(t) and t >= 0):
-            raise ValueError(f"temperature must be a non-negative finite number, got {t}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if not (self.top_k == -1 or self.top_k >= 1):
-            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {self.top_k}.")
-        if not -2.0 <= self.frequency_penalty <= 2.0:
-            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}.")
-        if not -2.0 <= self.presence_penalty <= 2.0:
-            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence_penalty}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2] (1.0 = no penalty), got {self.repetition_penalty}.")
-        m = self.max_new_tokens
-        if m is not None and m < 0:
-            raise ValueError(f"max_new_tokens must be at least 0, got {m}.")
-        if self.min_new_tokens < 0 or (m is not None and self.min_new_tokens > m):
-            raise ValueError(f"min_new_tokens must be in [0, max_new_tokens({m})], got {self.min_new_tokens}.")
-        if not 1 <= self.n <= MAX_N:
-            raise ValueError(f"n must be in [1, {MAX_N}], got {self.n}.")
-        if self.stream_interval is not None and self.stream_interval < 1:
-            raise ValueError(f"stream_interval must be at least 1, got {self.stream_interval}.")
-        if self.sampling_seed is not None and not -(2**63) <= self.sampling_seed < 2**64:
-            raise ValueError(f"sampling_seed must be in [-2**63, 2**64 - 1], got {self.sampling_seed}.")
+        t, m, seed = self.temperature, self.max_new_tokens, self.sampling_seed
+        for name, ok, rule in (
+                ("temperature", math.isfinite(t) and t >= 0, "a non-negative finite number"),
+                ("top_p", 0.0 < self.top_p <= 1.0, "in (0, 1]"),
+                ("min_p", 0.0 <= self.min_p <= 1.0, "in [0, 1]"),
+                ("top_k", self.top_k == -1 or self.top_k >= 1, "-1 (disable) or at least 1"),
+                ("frequency_penalty", -2.0 <= self.frequency_penalty <= 2.0, "in [-2, 2]"),
+                ("presence_penalty", -2.0 <= self.presence_penalty <= 2.0, "in [-2, 2]"),
+                ("repetition_penalty", 0.0 < self.repetition_penalty <= 2.0, "in (0, 2] (1.0 = no penalty)"),
+                ("max_new_tokens", m is None or m >= 0, "at least 0"),
+                ("min_new_tokens", 0 <= self.min_new_tokens and (m is None or self.min_new_tokens <= m),
+                 f"in [0, max_new_tokens({m})]"),
+                ("n", 1 <= self.n <= MAX_N, f"in [1, {MAX_N}]"),
+                ("stream_interval", self.stream_interval is None or self.stream_interval >= 1, "at least 1"),
+                ("sampling_seed", seed is None or -(2**63) <= seed < 2**64, "in [-2**63, 2**64 - 1]")):
+            if not ok:
+                raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}.")
         self._verify_tokens(vocab_size)
 
     def _verify_tokens(self, vocab_size: int) -> None:
