@@ -4,11 +4,10 @@ token slots, request rows and the prefix cache. Knows no model and no HTTP: noth
 
 from mem_cache.allocator import TokenSlotAllocator
 from mem_cache.errors import KOnlyPoolError, LayerIdError, MissingBufferError, PoolExhaustedError
-from mem_cache.kv_manager import KVCacheManager, ReqKV
+from mem_cache.kv_manager import KVCacheManager, ReqKV, ReqToTokenPool
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
-from mem_cache.layer_kinds import BUFFER_NAMES, LAYER_KINDS, BufferLocation
+from mem_cache.pool_info import BUFFER_NAMES, LAYER_KINDS, BufferLocation
 from mem_cache.radix_cache import RadixCache, TreeNode
-from mem_cache.req_to_token import ReqToTokenPool
 from mem_cache.sparse_pool import MiniMaxSparseKVPool
 
 __all__ = ["BUFFER_NAMES", "LAYER_KINDS", "BufferLocation", "KOnlyPoolError", "KVCacheManager", "LayerIdError",

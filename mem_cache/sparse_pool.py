@@ -7,17 +7,17 @@ from collections.abc import Sequence
 import torch
 
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
-from mem_cache.layer_kinds import (
+from mem_cache.pool_info import (
     BUFFER_NAMES,
     DENSE,
     LAYER_KINDS,
     SPARSE_INDEX_KV,
     SPARSE_K_ONLY,
     BufferLocation,
+    SparsePoolInfoMixin,
     elements_per_token,
     validate_layer_kinds,
 )
-from mem_cache.pool_info import SparsePoolInfoMixin
 
 
 class MiniMaxSparseKVPool(SparsePoolInfoMixin):
