@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from operator import itemgetter
 
 import torch
 
@@ -23,24 +25,12 @@ class Recipe:
     combine: Callable[[list[torch.Tensor]], torch.Tensor]
 
 
-def _one(ts: list[torch.Tensor]) -> torch.Tensor:
-    return ts[0]
-
-
-def _rows(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(ts, dim=0)
-
-
-def _cols(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat(ts, dim=1)
+_one = itemgetter(0)
+_rows, _cols = partial(torch.cat, dim=0), partial(torch.cat, dim=1)
 
 
 def _stack_pairs(ts: list[torch.Tensor]) -> torch.Tensor:  # [w1_0, w3_0, w1_1, w3_1, ...] -> [E, 2I, H]
     return torch.stack([torch.cat(ts[i:i + 2], dim=0) for i in range(0, len(ts), 2)])
-
-
-def _stack(ts: list[torch.Tensor]) -> torch.Tensor:
-    return torch.stack(ts)
 
 
 def _single(key: str, shape: Shape) -> Recipe:
@@ -101,7 +91,7 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
         w13 = tuple((f"{b}.experts.{j}.w{w}.weight", (inter, h)) for j in range(e) for w in (1, 3))
         w2 = tuple((f"{b}.experts.{j}.w2.weight", (h, inter)) for j in range(e))
         out[f"{ours}.mlp.w13"] = [Recipe(w13, _stack_pairs), _single(f"{m}.experts.gate_up_proj", (e, 2 * inter, h))]
-        out[f"{ours}.mlp.w2"] = [Recipe(w2, _stack), _single(f"{m}.experts.down_proj", (e, h, inter))]
+        out[f"{ours}.mlp.w2"] = [Recipe(w2, torch.stack), _single(f"{m}.experts.down_proj", (e, h, inter))]
         if cfg.shared_intermediate_size > 0:
             for prefix in (f"{b}.shared_experts", f"{m}.shared_experts"):
                 for name, rs in _mlp(prefix, h, cfg.shared_intermediate_size).items():
