@@ -41,6 +41,7 @@ serve: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m bench.run $(BENCH_ARGS)
+	$(PY) -m bench.decode_graphs
 
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"

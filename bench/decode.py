@@ -33,8 +33,8 @@ def _first_mismatch(a: tuple[int, ...], b: tuple[int, ...]) -> int | None:
 
 def run(ctx: BenchContext) -> dict:
     s = ctx.scale
-    ours_copy = make_engine(ctx.models.hf_copy, disable_radix_cache=True)
-    ours_tiny = make_engine(ctx.models.tiny, disable_radix_cache=True)
+    ours_copy = make_engine(ctx.models.hf_copy, disable_radix_cache=True, cuda_graph_bs=[1])  # (one request)
+    ours_tiny = make_engine(ctx.models.tiny, disable_radix_cache=True, cuda_graph_bs=[1])
     hf = load_transformers(ctx.models.hf_copy)
     ids = prompt(ctx.seed, s.decode_prompt, ours_copy.cfg.vocab_size)
     systems = {"ours_hf_copy": lambda: timed_generate(ours_copy, ids, s.decode_new),

@@ -58,7 +58,6 @@ def batch1(copy_dir: Path) -> dict:
     ids = torch.randint(5, 4000, (PROMPT,), generator=torch.Generator().manual_seed(0)).tolist()
     eager = make_engine(copy_dir, disable_radix_cache=True, disable_cuda_graph=True)
     graphs = make_engine(copy_dir, disable_radix_cache=True, cuda_graph_bs=[1])
-    graphs.warm_up()
     hf = load_transformers(copy_dir)
     systems = {"eager": lambda: timed_generate(eager, ids, NEW), "captured": lambda: timed_generate(graphs, ids, NEW),
                "transformers": lambda: generate_timed(hf, ids, NEW)}
@@ -101,7 +100,6 @@ def step_ms(engine, rows: int, steps: int = 16) -> float:
 def batched() -> dict:
     eager = make_engine(TINY, disable_radix_cache=True, disable_cuda_graph=True)
     graphs = make_engine(TINY, disable_radix_cache=True)
-    graphs.warm_up()
     out = {}
     for rows in (1, 8, 32, 64):
         e, g = step_ms(eager, rows), step_ms(graphs, rows)

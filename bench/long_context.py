@@ -47,7 +47,8 @@ def _hf_case(ctx: BenchContext, ids: list[int], n: int) -> dict:
 
 def run(ctx: BenchContext) -> dict:
     s = ctx.scale
-    args = dict(disable_radix_cache=True, max_total_tokens=s.lc_pool_tokens, chunked_prefill_size=s.lc_chunked_prefill)
+    args = dict(disable_radix_cache=True, max_total_tokens=s.lc_pool_tokens, chunked_prefill_size=s.lc_chunked_prefill,
+                cuda_graph_bs=[1])  # one request at a time: the batch-1 graph only
     engines = {"ours_sparse": make_engine(ctx.models.hf_copy, **args),
                "ours_dense": make_engine(ctx.models.hf_copy_dense, **args)}
     vocab = engines["ours_sparse"].cfg.vocab_size

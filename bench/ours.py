@@ -22,7 +22,10 @@ def make_llm(model_dir: Path, **engine_args: Any) -> LLM:
 
 
 def make_engine(model_dir: Path, **engine_args: Any) -> Engine:
-    return Engine(EngineArgs(model_path=str(model_dir), device="cpu", dtype="float32", **engine_args))
+    """Warmed up, as a server starts: its decode graphs compiled (none with disable_cuda_graph=True)."""
+    engine = Engine(EngineArgs(model_path=str(model_dir), device="cpu", dtype="float32", **engine_args))
+    engine.warm_up()
+    return engine
 
 
 def timed_generate(engine: Engine, prompt_ids: list[int], max_new_tokens: int,
