@@ -116,10 +116,9 @@ class Engine:
     def wait_for_work(self, timeout: float | None = None) -> bool:
         """Sleep until there is work (or `wake()`); no polling. True when there is work."""
         with self._cond:
-            self._cond.wait_for(lambda: self._inbox or self._aborts or self._scheduler.has_work() or self._woken,
-                                timeout)
+            self._cond.wait_for(lambda: self._woken or self.has_work(), timeout)  # NOTE: the lock is re-entrant
             self._woken = False
-            return bool(self._inbox or self._aborts or self._scheduler.has_work())
+            return self.has_work()
 
     def wake(self) -> None:
         with self._cond:

@@ -1,19 +1,14 @@
 """Batched, per-request-reproducible token sampler.
 
-Order per row: logit_bias → repetition penalty (prompt + output tokens) → frequency and presence
-penalties (output tokens) → suppressed ids set to -inf → greedy argmax, or temperature, top-k,
-top-p, min-p and a random draw.
+Per row: logit_bias → repetition penalty (prompt + output tokens) → frequency and presence penalties (output
+tokens) → suppressed ids at -inf → greedy argmax, or temperature, top-k, top-p, min-p and a random draw. Top-k,
+top-p and min-p filter the same temperature-scaled distribution, combined as SGLang does: a token survives if it
+is among the k most likely, if the mass strictly before it is < top_p, and if its probability is >= min_p × the
+largest. The most likely token always survives.
 
-Top-k, top-p and min-p are computed on the same temperature-scaled distribution and combined
-(as SGLang does): a token survives if it is among the k most likely, if the probability mass
-strictly before it is < top_p, and if its probability is >= min_p × the largest probability. The
-most likely token always survives.
-
-The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d. per token, which picks token
-i with probability p_i / sum(p) without renormalizing. Row i's noise comes only from
-`generators[i]` (V draws per sampling step, none for greedy rows), and every operation is
-row-wise, so a seeded request gets the same tokens whatever else is in the batch and wherever
-it sits in it.
+The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d. per token: token i with probability
+p_i / sum(p), no renormalizing. Row i's noise comes only from `generators[i]` (V draws per step, none for greedy
+rows) and every operation is row-wise, so a seeded request gets the same tokens wherever it sits in any batch.
 """
 
 from __future__ import annotations
@@ -43,11 +38,8 @@ class Sampler:
     def process_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
                        suppress: Sequence[set[int] | frozenset[int] | None] | None = None) -> torch.Tensor:
-        """Apply logit_bias, penalties and suppression; returns float32 [B, V].
-
-        The input tensor is never modified. Rows whose parameters are neutral are left untouched,
-        and when no row needs anything the (float32) input itself is returned.
-        """
+        """Apply logit_bias, penalties and suppression: float32 [B, V], the input untouched (returned itself,
+        as float32, when no row needs anything)."""
         b, v = logits.shape
         if not len(params) == len(output_ids) == len(prompt_ids) == b or (suppress is not None and len(suppress) != b):
             raise ValueError(f"sampler got {b} logit rows but params/output_ids/prompt_ids/suppress of "
@@ -77,11 +69,8 @@ class Sampler:
         return x
 
     def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-        """Temperature softmax with top-k / top-p / min-p applied: [B, V], removed tokens = 0.
-
-        Rows are not renormalized. `logits` are processed logits (see `process_logits`); every
-        row is treated as sampling (callers handle greedy rows).
-        """
+        """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0,
+        not renormalized; every row is treated as sampling (callers handle greedy rows)."""
         b, v = logits.shape
         dev = logits.device
         temps = [float(p.temperature) for p in params]
@@ -113,11 +102,8 @@ class Sampler:
                output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
                generators: Sequence[torch.Generator | None],
                suppress: Sequence[set[int] | frozenset[int] | None] | None = None) -> torch.Tensor:
-        """Pick one token per row from raw logits [B, V]; returns int64 [B] on the logits' device.
-
-        `generators[i]` may be None only for greedy rows; a generator may live on another
-        device than the logits (its noise is drawn there and moved).
-        """
+        """One token per row of raw logits [B, V] (int64 [B], on their device). `generators[i]` may be None only
+        for a greedy row, and may live on another device (its noise is drawn there and moved)."""
         if len(generators) != logits.shape[0]:
             raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(generators)} generators")
         x = self.process_logits(logits, params, output_ids, prompt_ids, suppress)

@@ -1,10 +1,6 @@
-"""Per-request sampling parameters: parsing, normalization and validation.
-
-Field names, defaults and the `verify` error messages follow SGLang's `SamplingParams`
-(shared/spec/http_api.md §2) so that HTTP 400 bodies carry the same text as SGLang's.
-`from_dict` is stricter than SGLang: unknown keys and wrongly typed values raise `ValueError`
-naming the field (SGLang raises a TypeError that surfaces as HTTP 500).
-"""
+"""Per-request sampling parameters: parsing, normalization and validation. Names, defaults and `verify`'s
+messages are SGLang's (http_api.md §2), so 400 bodies carry SGLang's text; `from_dict` is stricter: unknown keys
+and wrongly typed values raise `ValueError` naming the field (SGLang's TypeError surfaces as a 500)."""
 
 from __future__ import annotations
 

@@ -29,15 +29,6 @@ def resolve_device(device: str | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """auto: float32 on CPU (no fast bf16 there), bfloat16 on CUDA."""
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
-
-
 def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
     if args.skip_tokenizer_init:
         return None
@@ -66,7 +57,10 @@ def build_components(args: EngineArgs
                      ) -> tuple[MiniMaxM3Model, Tokenizer | None, MiniMaxSparseKVPool, KVCacheManager, int]:
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
     device = resolve_device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
+    if args.dtype != "auto" and args.dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
+    auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # NOTE: CPUs have no fast bf16
+    dtype = DTYPES.get(args.dtype, auto)
     cfg = load_config(args.model_path)
     tokenizer = load_tokenizer(args)
     model = load_model(args.model_path, dtype, device, args.load_format, args.random_seed, cfg=cfg)

@@ -10,11 +10,9 @@ from engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopChecker:
-    """Feeds each new token to an incremental detokenizer and decides whether the request is done.
-
-    NOTE: text that could still be the start of a stop string is held back (`_held`) until it is
-    resolved, so a stream never releases characters that a later stop match trims away. A match
-    therefore always lies inside the held text plus the newest delta.
+    """Feeds each new token to an incremental detokenizer and decides whether the request is done. NOTE: text
+    that could still begin a stop string is held back (`_held`) until resolved, so a stream never releases
+    characters that a later stop match trims away; a match always lies inside the held text plus the newest delta.
     """
 
     def __init__(self, params: SamplingParams, eos_ids: set[int], tokenizer: Tokenizer | None,

@@ -141,13 +141,9 @@ class Tokenizer:
 
 
 class IncrementalDetokenizer:
-    """Turns a growing id sequence into text deltas without splitting UTF-8 characters.
-
-    Keeps two offsets into the ids: text from `prefix_offset` to `read_offset` was already
-    emitted and serves as decode context; each step decodes only that short window plus the
-    new ids, and emits the part past the context unless it ends in U+FFFD (an incomplete
-    multi-byte character), in which case the ids are held until a later token completes it.
-    """
+    """Turns a growing id sequence into text deltas without splitting UTF-8 characters: text from `prefix_offset`
+    to `read_offset` was emitted already and is the decode context; each step decodes that window plus the new
+    ids and emits the part past it, unless it ends in U+FFFD (an incomplete character: held for a later token)."""
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
                  ) -> None:
