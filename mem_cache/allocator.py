@@ -8,14 +8,10 @@ from mem_cache.errors import PoolExhaustedError
 
 
 class TokenSlotAllocator:
-    """Hands out token slots of the KV pools; a slot addresses one token in every buffer of every layer.
+    """Hands out token slots `1 .. size` of the KV pools (a slot addresses one token in every buffer of every layer).
 
-    Layout (SGLang's, with page size 1): the KV buffers have `size + 1` rows and slot 0 is the padding
-    slot. It is never handed out, so padded writes (a decode graph's unused rows) can target it without
-    corrupting anyone. Slots `1 .. size` are allocatable.
-
-    `free` refuses, naming the slot and leaving the allocator untouched: a slot outside `1 .. size`, a
-    slot given twice, or a slot that is not allocated.
+    NOTE: the buffers have `size + 1` rows (SGLang's layout, page size 1); slot 0, the padding slot, is never
+    handed out, so padded writes (a decode graph's unused rows) can target it without corrupting anyone.
     """
 
     def __init__(self, size: int, device: str | torch.device = "cpu") -> None:
@@ -50,7 +46,8 @@ class TokenSlotAllocator:
         return slots
 
     def free(self, slots: torch.Tensor) -> None:
-        """Give `slots` (any integer tensor) back; see the class docstring for what is refused."""
+        """Give `slots` (any integer tensor) back; a slot outside `1 .. size`, given twice or not allocated is
+        refused by name, leaving the allocator untouched."""
         slots = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
         if slots.numel() == 0:
             return

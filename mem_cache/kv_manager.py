@@ -15,12 +15,8 @@ from mem_cache.radix_cache import RadixCache, TreeNode
 
 
 class ReqToTokenPool:
-    """A `[size, max_context_len]` int32 table; row = request slot, column = position -> token slot.
-
-    Attention reads a request's K/V by gathering the pool buffers at `req_to_token[row, :seq_len]`.
-    Request slots come from a free list; pair `can_alloc(n)` with `alloc(n)` so callers never
-    half-allocate. `free` is all-or-nothing: a bad index leaves the pool untouched.
-    """
+    """A `[size, max_context_len]` int32 table, request slot (row) and position -> token slot: attention gathers a
+    request's K/V at `req_to_token[row, :seq_len]`. Rows come from a free list; `free` is all-or-nothing."""
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
         if size <= 0 or max_context_len <= 0:

@@ -18,11 +18,8 @@ def check_layer_id(layer_id: int, num_layers: int, where: str = "", global_ids: 
 
 
 class MHATokenToKVPool:
-    """Per local layer a K and (`has_value_buffer`) a V buffer `[size + 1, head_num, head_dim]`, zeroed.
-
-    Row 0 is the padding slot (see `TokenSlotAllocator`). `layer_id` arguments are LOCAL ids
-    (0..layer_num-1); `global_layer_ids[local]` is the model layer.
-    """
+    """Per local layer a K and (`has_value_buffer`) a V buffer `[size + 1, head_num, head_dim]`, zeroed, row 0 the
+    padding slot. `layer_id` arguments are LOCAL ids; `global_layer_ids[local]` is the model layer."""
 
     has_value_buffer: bool = True
 
@@ -96,12 +93,9 @@ class MHATokenToKVPool:
 
 
 class MHATokenToKOnlyPool(MHATokenToKVPool):
-    """Per local layer only a K buffer; holds the index keys of score-only sparse layers.
-
-    Its layers have `sparse_disable_index_value` set: the indexer only scores, V is never read, so no V
-    tensor is ever allocated. Every V accessor raises `KOnlyPoolError` (a NotImplementedError) naming
-    the layer and the accessor to use instead. Generic code checks `has_value_buffer` (False here).
-    """
+    """Per local layer only a K buffer: the index keys of score-only sparse layers (`sparse_disable_index_value`:
+    V is never read, so never allocated). Every V accessor raises `KOnlyPoolError` naming the layer and the
+    accessor to use instead; generic code checks `has_value_buffer` (False here)."""
 
     has_value_buffer: bool = False
 

@@ -40,14 +40,12 @@ def _common(key: list[int], tokens: list[int], start: int) -> int:
 
 
 class RadixCache:
-    """Prefix cache over the token-slot allocator, with reference counts and LRU eviction.
-
-    A slot is owned by exactly one of: the allocator (free), the tree, or one request. `match_prefix`
-    hands out the tree's own slots; the caller locks the returned node while it uses them
-    (`inc_lock_ref`) and hands the request's KV over with `cache_finished_req`, which also frees the
-    request's slots for tokens the tree already holds. LRU time is a logical clock (one tick per match
-    or insert), so eviction order is deterministic. `disable=True` makes a cache that holds nothing.
-    """
+    """Prefix cache over the token-slot allocator, with reference counts and LRU eviction. A slot is owned by
+    exactly one of: the allocator (free), the tree, or one request. `match_prefix` hands out the tree's own slots;
+    the caller locks the returned node while it uses them (`inc_lock_ref`) and hands the request's KV over with
+    `cache_finished_req`, which also frees the request's slots for tokens the tree already holds. LRU time is a
+    logical clock (one tick per match or insert), so eviction order is deterministic. `disable=True` makes a cache
+    that holds nothing."""
 
     def __init__(self, allocator: TokenSlotAllocator, disable: bool = False) -> None:
         self.allocator = allocator
@@ -174,10 +172,6 @@ class RadixCache:
         return True
 
     # ---- internals ---------------------------------------------------------------------------------
-    def _tick(self) -> int:
-        self._clock += 1
-        return self._clock
-
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
 
@@ -199,11 +193,9 @@ class RadixCache:
         return path
 
     def _split(self, node: TreeNode, m: int) -> TreeNode:
-        """Cut `node` after `m` tokens; the new upper part goes between it and its parent.
-
-        NOTE: the original object stays the deeper part, so nodes held by requests stay valid; the
-        upper part inherits lock_ref and last_access, so every size and lock count is unchanged.
-        """
+        """Cut `node` after `m` tokens; the new upper part goes between it and its parent. NOTE: the original
+        object stays the deeper part, so nodes held by requests stay valid; the upper part inherits lock_ref and
+        last_access, so every size and lock count is unchanged."""
         upper = self._node(node.key[:m], node.value[:m], node.parent)
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
         node.parent.children[upper.key[0]] = upper
@@ -214,8 +206,8 @@ class RadixCache:
     def _descend(self, tokens: list[int], split_inside: bool) -> tuple[TreeNode, int, list[torch.Tensor]]:
         """Follow `tokens` from the root, touching each node passed: the deepest node reached, the tokens matched
         and their slots. A match ending inside a node splits it, unless it ends `tokens` and not `split_inside`."""
-        now = self._tick()
-        node, pos, values = self.root, 0, []
+        self._clock += 1
+        now, node, pos, values = self._clock, self.root, 0, []
         while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
             child.last_access = now
             m = _common(child.key, tokens, pos)

@@ -21,17 +21,14 @@ from mem_cache.pool_info import (
 
 
 class MiniMaxSparseKVPool(SparsePoolInfoMixin):
-    """Token-slot KV cache for a model mixing dense and block-sparse attention layers.
-
-    Sub-pools (all share the same token slots, `size + 1` rows each, row 0 the padding slot):
+    """Token-slot KV cache for a model mixing dense and block-sparse attention layers, over sub-pools that share
+    its token slots (`size + 1` rows each, row 0 the padding slot):
     - `main_pool` (MHATokenToKVPool, head_num x head_dim): main K/V of EVERY layer, local id == global id.
-    - `index_kv_pool` (MHATokenToKVPool, 1 x index_head_dim): index K and V of the `sparse_index_kv`
-      layers; None when there are none.
-    - `index_k_pool` (MHATokenToKOnlyPool, 1 x index_head_dim): index K of the `sparse_k_only` layers
-      (sparse_disable_index_value set: score-only indexer, V never read, never allocated); None if none.
-    Every accessor here takes a GLOBAL layer id and routes to the sub-pool that owns the buffer.
-    Index accessors called for a layer outside their group raise `ValueError` naming the valid layers;
-    generic code should ask `has_buffer` / `has_index_value_buffer` / `layer_info` first.
+    - `index_kv_pool` (MHATokenToKVPool, 1 x index_head_dim): index K and V of the `sparse_index_kv` layers.
+    - `index_k_pool` (MHATokenToKOnlyPool, 1 x index_head_dim): index K of the `sparse_k_only` layers.
+    (None where the model has no such layer.) Every accessor takes a GLOBAL layer id and routes to the sub-pool
+    that owns the buffer; an index accessor for a layer outside its group raises `ValueError` naming the valid
+    layers (generic code asks `has_buffer` / `has_index_value_buffer` / `layer_info` first).
     """
 
     def __init__(self, size: int, dtype: torch.dtype, layer_kinds: Sequence[str], head_num: int, head_dim: int,
