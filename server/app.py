@@ -52,13 +52,10 @@ def refused(request: Request, status: int, message: str, extra: dict | None = No
 
 
 class BodyLimit:
-    """Refuse bodies over `limit` bytes with 413 before anything parses them.
-
-    A declared Content-Length over the limit is refused before the body is read. Otherwise the body
-    (chunked or not) is read here, counting bytes, and refused as soon as it passes the limit; the
-    app then gets it in one message, and later `receive` calls (the disconnect) go to the client.
-    Reading here, not inside the app, is what makes a chunked body a 413 on every route: FastAPI
-    turns any error raised while it reads a body into a generic 400.
+    """Refuse bodies over `limit` bytes with 413 before anything parses them: a declared Content-Length at once,
+    otherwise as soon as the body (chunked or not), read here, passes the limit; the app then gets it in one
+    message, and later `receive` calls (the disconnect) go to the client. NOTE: reading here, not inside the app,
+    is what makes a chunked body a 413 on every route: FastAPI turns any error while it reads a body into a 400.
     """
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
@@ -102,11 +99,8 @@ class BodyLimit:
 
 
 class ApiKeyAuth:
-    """Require `Authorization: Bearer <key>` on every route but OPEN_PATHS (401 in the path's envelope).
-
-    A pure ASGI middleware (not `@app.middleware("http")`): it never wraps `receive`, so routes still
-    see the client's disconnect, and streaming responses pass through untouched.
-    """
+    """Require `Authorization: Bearer <key>` on every route but OPEN_PATHS (401 in the path's envelope). NOTE: pure
+    ASGI, not `@app.middleware("http")`: routes still see the client's disconnect, and streams pass untouched."""
 
     def __init__(self, app: ASGIApp, key: str) -> None:
         self.app, self.expected = app, f"Bearer {key}".encode()
@@ -167,14 +161,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app.include_router(native_router)
     app.include_router(openai_router)
-    generated_openapi = app.openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            document_request_bodies(generated_openapi())
-        return app.openapi_schema  # type: ignore[return-value]
-
-    app.openapi = openapi  # type: ignore[method-assign]
+    document_request_bodies(app.openapi())  # NOTE: FastAPI caches the document: /openapi.json serves it amended
     # NOTE: the last added runs first: CORS (preflights answered without the key), then the API key
     # (no body is read for a client without it), then the body limit.
     app.add_middleware(BodyLimit, limit=state.args.max_request_bytes)

@@ -1,8 +1,6 @@
-"""The bridge between the asyncio event loop and the engine thread.
-
-`submit` hands requests to the engine (which validates them: a ValueError is the client's 400) and
-opens one `Channel` for their samples; the engine thread sleeps until there is work, runs
-`Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
+"""The bridge between the asyncio event loop and the engine thread: `submit` queues requests in the engine (its
+ValueError is the client's 400) and opens one `Channel` for their samples; the engine thread sleeps until there
+is work, runs `Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
 
 NOTE: the engine thread is the only thread that runs torch: it builds the engine, warms it up and
 steps it. libgomp gives every thread that runs a parallel region an OpenMP pool of its own, and once
@@ -25,9 +23,6 @@ from engine.runtime.engine import Engine
 from engine.runtime.request import NewRequest, RequestOutput
 
 logger = logging.getLogger(__name__)
-
-Observer = Callable[[RequestOutput, float], None]
-SubmitHook = Callable[[list[str], float], None]
 
 # Outputs of one request that may wait for a slow consumer; past this many, the newest is merged into
 # the last queued one (outputs are deltas: merging keeps everything), so a client that stops reading
@@ -100,8 +95,8 @@ class AsyncEngine:
         self._thread.start()
         self.engine = built.result()
         self.max_sequences = max_sequences  # samples one submit may queue (--max-batch-size)
-        self.observer: Observer | None = None  # sees every output on the event loop (metrics)
-        self.on_submit: SubmitHook | None = None  # sees every accepted request's rids and arrival time (metrics)
+        self.observer: Callable[[RequestOutput, float], None] | None = None  # sees every output (metrics)
+        self.on_submit: Callable[[list[str], float], None] | None = None  # accepted rids, arrival time (metrics)
         self.accepting = True
         self._routes: dict[str, tuple[Channel, int]] = {}  # rid of a live sample -> its reader, its index
         self._loop: asyncio.AbstractEventLoop | None = None

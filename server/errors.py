@@ -30,12 +30,8 @@ def not_json_message(content_type: str) -> str:
     return f"Content-Type must be application/json, got {content_type or 'none'!r}."
 
 
-def is_openai_path(path: str) -> bool:
-    return path.startswith("/v1/")
-
-
 def error_body(path: str, status: int, message: str, extra: dict | None = None) -> dict:
-    if is_openai_path(path):
+    if path.startswith("/v1/"):  # the OpenAI routes
         body = {"object": "error", "message": message, "type": OPENAI_TYPES.get(status, str(status)),
                 "param": None, "code": status}
         return body | (extra or {})

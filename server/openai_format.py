@@ -191,11 +191,9 @@ def _content_text(content: str | list[dict[str, Any]] | None) -> str:
 
 
 def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """Render the messages with the chat template and tokenize (the template already holds any BOS).
-
-    With continue_final_message the last (assistant) message is left open: the template renders a
-    sentinel in its place and the prompt is cut there, so the model continues the message's text.
-    """
+    """Render the messages with the chat template and tokenize (the template already holds any BOS). With
+    continue_final_message the last (assistant) message stays open: the template renders a sentinel in its place
+    and the prompt is cut there, so the model continues the message's text."""
     messages = [m.model_dump() for m in req.messages]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KEYS}
     if not req.continue_final_message:

@@ -138,11 +138,8 @@ class ChatCompletionRequest(SamplingFields):
 
 
 def document_request_bodies(schema: dict[str, Any]) -> None:
-    """Add the JSON request bodies of the two generation routes to an OpenAPI document.
-
-    Both routes parse their body themselves (Content-Type check, OpenAI error envelope), so FastAPI
-    cannot see the models; without this, clients and schema-driven tests see no body at all.
-    """
+    """Add the JSON request bodies of the two generation routes to an OpenAPI document: both parse their body
+    themselves (Content-Type check, OpenAI error envelope), so FastAPI cannot see the models."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
         op = schema.get("paths", {}).get(path, {}).get("post")

@@ -1,7 +1,6 @@
 """Pydantic models of the native API's request bodies (http_api.md §1.1, §3): strict types (`"stream": "x"` is a
 400, never coerced), unknown keys ignored like SGLang's, one readable message per shape check instead of
-pydantic's per-union-branch list. Sampling parameters stay a dict: `SamplingParams.from_dict` validates them.
-"""
+pydantic's per-union-branch list. Sampling parameters stay a dict: `SamplingParams.from_dict` validates them."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated
-`/get_*` aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3); the pool introspection
-routes /pools... (§6): metadata about the KV pools, never tensor contents.
-
-NOTE: counts are read from the event-loop thread while the engine thread runs; they are plain ints, so a
+"""Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated `/get_*`
+aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3); the pool introspection routes /pools...
+(§6). NOTE: counts are read from the event-loop thread while the engine thread runs; they are plain ints, so a
 reading is at worst one step old.
 """
 

@@ -109,8 +109,8 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
     rids = _rids(req.rid, k, scalar)
     reqs = [NewRequest(prompt, params[i], LogprobOptions(bool(ret[i]), start[i] if ret[i] else -1,
                                                          top[i] if ret[i] else 0,
-                                                         (list(ids[i]) or None) if ret[i] and ids[i] else None), rids[i])
-            for i, prompt in enumerate(prompts)]
+                                                         (list(ids[i]) or None) if ret[i] and ids[i] else None),
+                       rids[i]) for i, prompt in enumerate(prompts)]
     return GenPlan(reqs, scalar and n == 1, bool(req.stream), bool(req.return_text_in_logprobs))
 
 

@@ -33,12 +33,6 @@ def _model_card(state: ServerState) -> dict[str, Any]:
             "parent": None, "max_model_len": state.engine.context_len}
 
 
-def _no_model(model_id: str) -> JSONResponse:
-    return JSONResponse(status_code=404, content={"error": {
-        "message": f"The model '{model_id}' does not exist", "type": "invalid_request_error",
-        "param": "model", "code": "model_not_found"}})
-
-
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     return {"object": "list", "data": [_model_card(server_state(request))]}
@@ -47,7 +41,11 @@ async def list_models(request: Request) -> dict[str, Any]:
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
     state = server_state(request)
-    return JSONResponse(_model_card(state)) if model_id == state.args.model_name else _no_model(model_id)
+    if model_id == state.args.model_name:
+        return JSONResponse(_model_card(state))
+    return JSONResponse(status_code=404, content={"error": {
+        "message": f"The model '{model_id}' does not exist", "type": "invalid_request_error",
+        "param": "model", "code": "model_not_found"}})
 
 
 # ---- what both generation routes share ----------------------------------------------------------------

@@ -1,7 +1,6 @@
 """One HTTP request's sequences in the engine, from submit (all or nothing) to the last output: the one way
 every generation route goes. However the request ends (done, client gone, error, shutdown), whatever has not
-finished is aborted; `SSEResponse` guarantees that for streams.
-"""
+finished is aborted; `SSEResponse` guarantees that for streams."""
 
 from __future__ import annotations
 
@@ -29,14 +28,6 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the result was ready."""
 
 
-def server_error(out: RequestOutput) -> ApiError | None:
-    """A server-side abort (finish_reason abort with a status code) as the HTTP error it means."""
-    fr = out.finish_reason or {}
-    if fr.get("type") == "abort" and fr.get("status_code") is not None:
-        return ApiError(int(fr["status_code"]), str(fr.get("message") or out.error or "request aborted by the server"))
-    return None
-
-
 class Submission:
     def __init__(self, ae: AsyncEngine, reqs: list[NewRequest], route: str, started: float | None = None) -> None:
         self.ae, self.route = ae, route
@@ -53,7 +44,9 @@ class Submission:
             i, out = await self._channel.get()
             self.joined[i].add(out)
             if out.finished:
-                err = server_error(out)
+                fr = out.finish_reason or {}  # a server-side abort carries the HTTP status it means
+                err = None if fr.get("type") != "abort" or fr.get("status_code") is None else ApiError(
+                    int(fr["status_code"]), str(fr.get("message") or out.error or "request aborted by the server"))
                 self._done(i, err.status if err else 200)
                 if err is not None:
                     err.logged = True  # its access-log line is written: the error handler adds none
@@ -67,8 +60,12 @@ class Submission:
             async for _ in self.outputs():
                 pass
 
+        async def wait_disconnect() -> None:  # the body was read already, so only that can arrive
+            while (await request.receive()).get("type") != "http.disconnect":
+                pass
+
         results = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(wait_disconnect(request))
+        gone = asyncio.ensure_future(wait_disconnect())
         try:
             await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not results.done():
@@ -104,12 +101,6 @@ def log_access(rid: str, prompt_tokens: int | str, completion_tokens: int, laten
     """The one access-log line of a request (every route; refused requests too, from server.app)."""
     logger.info("rid=%s prompt_tokens=%s completion_tokens=%d latency=%.3fs status=%d finish=%s route=%s",
                 rid, prompt_tokens, completion_tokens, latency, status, finish, route)
-
-
-async def wait_disconnect(request: Request) -> None:
-    """Return once the client has disconnected (the body was read already, so only that can arrive)."""
-    while (await request.receive()).get("type") != "http.disconnect":
-        pass
 
 
 class SSEResponse(StreamingResponse):
