@@ -12,10 +12,9 @@ import torch.nn.functional as F
 
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
-from engine.model.indexer import block_keys, block_scores, select_blocks
+from engine.model.indexer import NEG_INF, block_keys, block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
-NEG_INF = float("-inf")
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
 

@@ -1,9 +1,5 @@
-"""What one model step computes: an extend (`ForwardBatch`) or a decode step (`DecodeBatch`).
-
-An extend feeds each request a chunk of tokens (prefill, chunked prefill, prefill after a cached
-prefix); each request is one `Segment`. A decode step feeds every request one token, as fixed-shape
-tensors (padded rows and keys): the same function then runs eager, compiled or captured.
-"""
+"""What one model step computes: an extend (`ForwardBatch`: each request a chunk of tokens, one `Segment`
+each) or a decode step (`DecodeBatch`: one token per request, fixed-shape tensors for eager or captured)."""
 
 from __future__ import annotations
 
