@@ -24,7 +24,7 @@ def split(recipe: wn.Recipe, tensor: torch.Tensor) -> list[torch.Tensor]:
         return list(tensor.split([s[0] for s in shapes], dim=0))
     if recipe.combine is wn._cols:
         return list(tensor.split([s[1] for s in shapes], dim=1))
-    if recipe.combine is wn._stack:
+    if recipe.combine is torch.stack:
         return list(tensor.unbind(0))
     if recipe.combine is wn._stack_pairs:
         return [half for expert in tensor.unbind(0) for half in expert.split([shapes[0][0], shapes[1][0]], dim=0)]
