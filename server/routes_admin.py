@@ -69,7 +69,14 @@ async def model_info(request: Request) -> dict[str, Any]:
     }
 
 
-def _server_info(state: ServerState, integrity_ok: bool | None = None) -> dict[str, Any]:
+@router.get("/get_server_info", deprecated=True)
+@router.get("/server_info")
+async def server_info(request: Request) -> dict[str, Any]:
+    _warn_if_deprecated(request)
+    state = server_state(request)
+    # NOTE: the integrity check takes the engine's step lock (it must not see a step half done): run it
+    # off the event loop so streams keep flowing while it waits.
+    integrity_ok = await asyncio.to_thread(state.engine.integrity_ok)
     eng, args, st = state.engine, state.args, state.engine.stats()
     info: dict[str, Any] = args.flat()
     if info.get("api_key"):
@@ -102,16 +109,6 @@ def _server_info(state: ServerState, integrity_ok: bool | None = None) -> dict[s
         "version": __version__,
     })
     return info
-
-
-@router.get("/get_server_info", deprecated=True)
-@router.get("/server_info")
-async def server_info(request: Request) -> dict[str, Any]:
-    _warn_if_deprecated(request)
-    # NOTE: the integrity check takes the engine's step lock (it must not see a step half done): run it
-    # off the event loop so streams keep flowing while it waits.
-    state = server_state(request)
-    return _server_info(state, await asyncio.to_thread(state.engine.integrity_ok))
 
 
 def _warn_if_deprecated(request: Request) -> None:
@@ -169,15 +166,13 @@ async def metrics(request: Request) -> Response:
 
 
 # ---- pool introspection: unknown layer 404, a buffer the layer lacks 409, unknown buffer name 400 ----------
-def _pool(request: Request) -> MiniMaxSparseKVPool:
-    return server_state(request).engine.pool
-
-
-def _layer_or_404(pool: MiniMaxSparseKVPool, layer_id: int) -> None:
+def _layer_pool(request: Request, layer_id: int) -> MiniMaxSparseKVPool:
+    pool = server_state(request).engine.pool
     try:
         pool.layer_kind(layer_id)
     except LayerIdError as e:
         raise ApiError(404, str(e)) from None
+    return pool
 
 
 @router.get("/pools")
@@ -201,20 +196,17 @@ async def pools(request: Request) -> dict[str, Any]:
 
 @router.get("/pools/layers")
 async def layers(request: Request) -> dict[str, Any]:
-    return {"layers": _pool(request).layers_info()}
+    return {"layers": server_state(request).engine.pool.layers_info()}
 
 
 @router.get("/pools/layers/{layer_id}")
 async def layer(layer_id: int, request: Request) -> dict[str, Any]:
-    pool = _pool(request)
-    _layer_or_404(pool, layer_id)
-    return pool.layer_info(layer_id)
+    return _layer_pool(request, layer_id).layer_info(layer_id)
 
 
 @router.get("/pools/layers/{layer_id}/buffers/{buffer}")
 async def buffer(layer_id: int, buffer: str, request: Request) -> dict[str, Any]:
-    pool = _pool(request)
-    _layer_or_404(pool, layer_id)
+    pool = _layer_pool(request, layer_id)
     try:
         return pool.buffer_info(layer_id, buffer)  # an unknown buffer name: ValueError, the app's 400
     except MissingBufferError as e:
