@@ -55,7 +55,7 @@ def _add(p: argparse.ArgumentParser, name: str, default: Any) -> None:
         p.add_argument(flag, type=kind, default=default)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p = argparse.ArgumentParser(prog="python -m server", description="MiniMax-M3-style sparse-attention LM server")
     engine, server = EngineArgs(), ServerArgs()
     for f in fields(EngineArgs):
@@ -65,11 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(ServerArgs):
         if f.name != "engine":
             _add(p, f.name, getattr(server, f.name))
-    return p
-
-
-def parse_args(argv: list[str] | None = None) -> ServerArgs:
-    ns = vars(build_parser().parse_args(argv))
+    ns = vars(p.parse_args(argv))
     names = {f.name for f in fields(EngineArgs)}
     engine = EngineArgs(**{k: v for k, v in ns.items() if k in names})
     return ServerArgs(engine=engine, **{k: v for k, v in ns.items() if k not in names})
