@@ -182,12 +182,7 @@ class Limits:
 
 def validate(req: NewRequest, lim: Limits) -> None:
     """`ValueError` with the client's message (SGLang's words where SGLang has them): the server's 400."""
-    _prompt(req.prompt_ids, lim)
-    _sampling(req, lim)
-    _logprobs(req, lim)
-
-
-def _prompt(ids: list[int], lim: Limits) -> None:
+    ids = req.prompt_ids
     if not ids:
         raise ValueError("input_ids cannot be empty.")
     bad = next((t for t in ids if not 0 <= t < lim.vocab_size), None)
@@ -199,6 +194,16 @@ def _prompt(ids: list[int], lim: Limits) -> None:
     if len(ids) + 1 > lim.pool_size:
         raise ValueError(f"The input ({len(ids)} tokens) does not fit in the KV cache ({lim.pool_size} tokens); "
                          "raise --max-total-tokens.")
+    _sampling(req, lim)
+    lp, n = req.logprob, len(ids)
+    if lp.logprob_start_len >= n:
+        raise ValueError(f"logprob_start_len ({lp.logprob_start_len}) is higher than the number of input tokens "
+                         f"({n}). Request with a lower logprob_start_len.")
+    if lp.top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be at least 0, got {lp.top_logprobs_num}.")
+    for t in lp.token_ids_logprob or ():
+        if not 0 <= t < lim.vocab_size:
+            raise ValueError(f"token_ids_logprob must be in [0, {lim.vocab_size - 1}], got {t}.")
 
 
 def _sampling(req: NewRequest, lim: Limits) -> None:
@@ -225,15 +230,3 @@ def _sampling(req: NewRequest, lim: Limits) -> None:
                          f"tokens. You requested a total of {n + m} tokens: {n} tokens from the input messages "
                          f"and {m} tokens for the completion. Please reduce the number of tokens in the input "
                          "messages or the completion to fit within the limit.")
-
-
-def _logprobs(req: NewRequest, lim: Limits) -> None:
-    lp, n = req.logprob, len(req.prompt_ids)
-    if lp.logprob_start_len >= n:
-        raise ValueError(f"logprob_start_len ({lp.logprob_start_len}) is higher than the number of input tokens "
-                         f"({n}). Request with a lower logprob_start_len.")
-    if lp.top_logprobs_num < 0:
-        raise ValueError(f"top_logprobs_num must be at least 0, got {lp.top_logprobs_num}.")
-    for t in lp.token_ids_logprob or ():
-        if not 0 <= t < lim.vocab_size:
-            raise ValueError(f"token_ids_logprob must be in [0, {lim.vocab_size - 1}], got {t}.")

@@ -155,10 +155,6 @@ class SamplingParams:
                 ("sampling_seed", seed is None or -(2**63) <= seed < 2**64, "in [-2**63, 2**64 - 1]")):
             if not ok:
                 raise ValueError(f"{name} must be {rule}, got {getattr(self, name)}.")
-        self._verify_tokens(vocab_size)
-
-    def _verify_tokens(self, vocab_size: int) -> None:
-        """The token ids, stops and grammars."""
         for key, bias in (self.logit_bias or {}).items():
             if not 0 <= int(key) < vocab_size:
                 raise ValueError(f"logit_bias must has keys in [0, {vocab_size - 1}], got {key}.")
