@@ -76,7 +76,8 @@ class Metrics:
             "gen_throughput": ("The generation throughput (token/s).", self.gen_throughput()),
             "num_queue_reqs": ("The number of requests in the waiting queue.", st.num_waiting),
             "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
-            "cache_hit_rate": ("The prefix cache hit rate.", self.cache_hit_rate()),
+            "cache_hit_rate": ("The prefix cache hit rate.",
+                               self._cached_total / self._prompt_total if self._prompt_total else 0.0),
             "spec_accept_length": ("The average speculative accept length.", 0.0),
             "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens),
         }
@@ -140,9 +141,6 @@ class Metrics:
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
             self._recent.popleft()
         return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
-
-    def cache_hit_rate(self) -> float:
-        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
