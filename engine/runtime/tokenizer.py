@@ -172,9 +172,7 @@ class IncrementalDetokenizer:
             return ""
         prefix_text = self._decode(self._prefix_offset, self._read_offset)
         full_text = self._decode(self._prefix_offset)
-        if len(full_text) <= len(prefix_text):
-            return ""
-        if not final and full_text.endswith(REPLACEMENT_CHAR):
+        if len(full_text) <= len(prefix_text) or (not final and full_text.endswith(REPLACEMENT_CHAR)):
             return ""
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
