@@ -184,12 +184,6 @@ def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, asked: int, cap: int
     return out
 
 
-def _content_text(content: str | list[dict[str, Any]] | None) -> str:
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
-    return content or ""
-
-
 def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
     """Render the messages with the chat template and tokenize (the template already holds any BOS). With
     continue_final_message the last (assistant) message stays open: the template renders a sentinel in its place
@@ -207,4 +201,7 @@ def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
     cut = rendered.find(sentinel)
     if cut < 0:
         raise ApiError(400, "the chat template drops the final message's content; cannot continue it.")
-    return tok.encode(rendered[:cut] + _content_text(messages[-1]["content"]), add_special_tokens=False)
+    content = messages[-1]["content"]
+    if isinstance(content, list):
+        content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
+    return tok.encode(rendered[:cut] + (content or ""), add_special_tokens=False)
