@@ -200,15 +200,12 @@ class Engine:
         if finished:
             with self._cond:
                 for rid in finished:
-                    self._forget(rid)
+                    self._live.discard(rid)
+                    group = self._member.get(rid)  # an n > 1 request is forgotten with its last sample
+                    if group is not None and not any(r in self._live for r in self._group[group]):
+                        for r in self._group.pop(group):
+                            self._member.pop(r, None)
         return outs
-
-    def _forget(self, rid: str) -> None:
-        self._live.discard(rid)
-        group = self._member.get(rid)
-        if group is not None and not any(r in self._live for r in self._group[group]):
-            for r in self._group.pop(group):
-                self._member.pop(r, None)
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every queued and running request with an error (after a failed step); report them."""
