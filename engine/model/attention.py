@@ -1,8 +1,6 @@
-"""Attention over the token-slot pool (model.md §2-§4): dense, block-sparse and the index-value branch,
-for an extend (one `Segment` per request) and for a fixed-shape decode step (`DecodeBatch`).
-
-Every function reads K/V through slot indices, so a cached prefix and freshly written tokens are
-read the same way. The caller has already written this step's K/V (and index K/V) into the pool.
+"""Attention over the token-slot pool (model.md §2-§4): dense, block-sparse and the index-value branch, for an
+extend (one `Segment` per request) and for a fixed-shape decode step (`DecodeBatch`). Every function reads K/V
+through slot indices (a cached prefix and fresh tokens alike), after the caller has written this step's into the pool.
 """
 
 from __future__ import annotations
@@ -17,6 +15,9 @@ from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
+# NOTE: an extend over at most this many times K*B keys runs its sparse layers as one dense SDPA under
+# the selection as a mask, instead of gathering K*B keys per query (eager; FIGURE).
+MASKED_MAX_FACTOR = 12
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
@@ -56,14 +57,17 @@ def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Ten
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """`paged_attention`, except for one query row, where inductor's own fused code is cheaper than the
-    op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op)."""
+    """`paged_attention`, except for one query row, where inductor's own gathers and an SDPA call are cheaper
+    than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
+    NOTE: SDPA, not a softmax written out: inductor's CPU code sums floats over more than 4096 keys another
+    way, so a written-out softmax split the graph at 4096 keys (a recompile mid-serving); SDPA's sum is
+    inside its kernel (batch-1 step 2.79 ms vs 2.53 ms written out, configs/tiny, 320 keys)."""
     if q.shape[0] > 1 or not torch.compiler.is_compiling():
         return paged_attention(q, k_buf, v_buf, rows, keep, scale)
     d = q.shape[-1]
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
-    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale
-    return torch.matmul(torch.softmax(s.masked_fill(~keep, NEG_INF), dim=-1).to(v.dtype), v)
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, NEG_INF)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
@@ -133,9 +137,11 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
         o = _causal_sdpa(q, k_buf, v_buf, seg, scale)
     else:
         ik = pool.get_index_k_buffer(layer_id)[seg.slots][:, 0]  # [N, D_I]
-        o = torch.cat([_sparse_chunk(q[a:a + QUERY_CHUNK], iq[a:a + QUERY_CHUNK], ik, k_buf, v_buf, seg,
-                                     seg.q_pos(a, min(a + QUERY_CHUNK, seg.queries)), cfg)
-                       for a in range(0, seg.queries, QUERY_CHUNK)])
+        limit = MASKED_MAX_FACTOR * cfg.topk_blocks * cfg.block_size  # keys a masked chunk may see
+        kv = (k_buf[seg.slots[:limit]].transpose(0, 1)[None], v_buf[seg.slots[:limit]].transpose(0, 1)[None])
+        chunks = [(a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK)]
+        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, k_buf, v_buf, kv if seg.first_pos + b <= limit else None,
+                                     seg, seg.q_pos(a, b), cfg) for a, b in chunks])
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense causal over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
@@ -144,10 +150,32 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
 
 
 def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  seg: Segment, q_pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T]."""
+                  kv: tuple[torch.Tensor, torch.Tensor] | None, seg: Segment, q_pos: torch.Tensor,
+                  cfg: ModelConfig) -> torch.Tensor:
+    """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T]; `kv`: the
+    segment's first keys and values [1, n_kv, N, D] when the chunk runs as masked dense attention."""
     visible = torch.arange(seg.num_keys, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, N]
     scores = block_scores(iq[None], ik[None], visible, cfg.block_size)  # [1, n_kv, T, nb]
     blocks = select_blocks(scores, q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks)
+    if kv is not None:  # the chunk's keys are the first q_pos[-1] + 1 of the segment
+        n = int(q_pos[0, -1]) + 1
+        return masked_sparse_attend(q, kv[0][:, :, :n], kv[1][:, :, :n], blocks[0].transpose(0, 1), q_pos[0],
+                                    cfg.block_size, cfg.head_dim ** -0.5)
     return sparse_attend(q, k_buf, v_buf, seg.slots[None].expand(q.shape[0], -1), blocks[0].transpose(0, 1),
                          q_pos[0], cfg.block_size, cfg.head_dim ** -0.5)
+
+
+def masked_sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tensor,
+                         block_size: int, scale: float) -> torch.Tensor:
+    """`sparse_attend` as dense attention of q [T, n_q, D] over one sequence's keys k, v [1, n_kv, N, D],
+    key j masked out unless its block is among blocks[t] [n_kv, K] and j <= q_pos[t]."""
+    t, n_kv, n = q.shape[0], k.shape[1], k.shape[2]
+    nb = -(-n // block_size)
+    keep = torch.zeros(t, n_kv, nb + 1, dtype=torch.bool, device=q.device)
+    keep.scatter_(-1, torch.where(blocks < 0, nb, blocks), True)  # unused slots land in a spare column
+    keep = keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :n]
+    keep &= torch.arange(n, device=q.device)[None, None, :] <= q_pos[:, None, None]  # [T, n_kv, N]
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, NEG_INF)
+    bias = bias.transpose(0, 1).repeat_interleave(q.shape[1] // n_kv, dim=0)[None]  # [1, n_q, T, N]
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=bias, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1).reshape(t, -1)

@@ -1,8 +1,6 @@
-"""Building blocks of the decoder (model.md §2): Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI MLP, MoE.
-
-Parameters are stored in the fused layout the forward pass wants (gate|up fused, experts as 3-D
-tensors); `engine/model/loader.py` converts both checkpoint layouts into it.
-"""
+"""Building blocks of the decoder (model.md §2): Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI MLP, MoE. Parameters
+are stored in the fused layout the forward pass wants (gate|up fused, experts as 3-D tensors); loader.py converts
+both checkpoint layouts into it."""
 
 from __future__ import annotations
 

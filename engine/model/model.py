@@ -1,8 +1,6 @@
-"""The MiniMax-M3-style decoder (model.md §2-§4) running over the sparse KV pool.
-
-One fused input projection per layer yields q, k, v and, on sparse layers, the indexer's q, k (and
-the index value); one fused output projection maps [attention | index value] back to the hidden size.
-"""
+"""The MiniMax-M3-style decoder (model.md §2-§4) over the sparse KV pool. One fused input projection per layer
+yields q, k, v and, on sparse layers, the indexer's q, k (and the index value); one fused output projection maps
+[attention | index value] back to the hidden size."""
 
 from __future__ import annotations
 

@@ -1,14 +1,11 @@
 """Decode steps as captured graphs, one per batch-size bucket (SGLang's `--cuda-graph-bs`).
 
-A decode step is one function of fixed-shape tensors (`ModelRunner.decode_step` over a `DecodeBatch`)
-with no host sync inside. It is compiled by inductor (CPU) or inductor plus CUDA graphs
-(`mode="reduce-overhead"`, one graph recorded per bucket and key length) twice: once for batch 1 and
-once with the batch size dynamic for every other bucket (the key length is dynamic in both), so a
-cold start compiles two graphs, not one per bucket. A batch is padded up to the next bucket (padding
-rows write and read only the pool's padding slot 0); one past the largest bucket runs eager.
-
-Inductor keeps its compiled kernels on disk (`TORCHINDUCTOR_CACHE_DIR`, by default
-/tmp/torchinductor_<user>), so a second start compiles nothing it has compiled before.
+A decode step is one function of fixed-shape tensors (`ModelRunner.decode_step` over a `DecodeBatch`) with no
+host sync inside, compiled by inductor (CPU) or inductor plus CUDA graphs (`mode="reduce-overhead"`, one graph
+recorded per bucket and key length) twice: for batch 1, and with the batch size dynamic for every other bucket
+(the key length is dynamic in both). A batch is padded up to the next bucket (padding rows write and read only
+the pool's padding slot 0); one past the largest bucket runs eager. Inductor keeps its compiled kernels on disk
+(`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>): a second start compiles nothing again.
 """
 
 from __future__ import annotations
@@ -88,6 +85,7 @@ class DecodeGraphs:
             return self.step(batch)
         return self._call(b, pad(batch, b))[:rows]
 
+    @torch.no_grad()  # NOTE: always: a graph compiled under one grad mode is recompiled under the other
     def _call(self, b: int, batch: DecodeBatch) -> torch.Tensor:
         torch._dynamo.mark_dynamic(batch.key_slots, 1)
         if b == 1:  # NOTE: a dimension of size 1 cannot be dynamic: batch 1 has a graph of its own
