@@ -36,7 +36,7 @@ serve: $(STAMP)
 	@echo "==> serving $(MODEL) on http://$(HOST):$(PORT) (HOST, PORT, MODEL override these); ready when /health is 200"
 	$(PY) -m server --model-path $(MODEL) --host $(HOST) --port $(PORT)
 
-# Benchmarks (docs/benchmarks/): the full suite (~10-15 min on 2 cores), or a ~2-minute smoke run that
+# Benchmarks (docs/benchmarks/): the full suite and the decode-graph figures (~30 min on 2 cores), or a ~2-minute smoke run that
 # writes docs/benchmarks/quick/. BENCH_ARGS passes more flags, e.g. BENCH_ARGS="--only decode".
 bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"

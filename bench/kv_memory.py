@@ -24,14 +24,14 @@ def _model(path: Path, dtype: torch.dtype) -> dict:
     cfg = load_config(path)
     kinds = list(cfg.layer_kinds)
     geo = (cfg.num_kv_heads, cfg.head_dim, cfg.index_head_dim)
-    pool = MiniMaxSparseKVPool(PROBE_SIZE, 1, dtype, kinds, *geo)
+    pool = MiniMaxSparseKVPool(PROBE_SIZE, dtype, kinds, *geo)
     by_kind = pool.bytes_per_token_by_kind()
     total = MiniMaxSparseKVPool.bytes_per_token_for(kinds, *geo, dtype)
     spec_by_kind = {k: _spec_elements(k, *geo) * dtype.itemsize for k in by_kind}
     spec_total = sum(_spec_elements(k, *geo) for k in kinds) * dtype.itemsize
     all_index_v = ["sparse_index_kv" if k == "sparse_k_only" else k for k in kinds]
     without_k_only = MiniMaxSparseKVPool.bytes_per_token_for(all_index_v, *geo, dtype)
-    fits = MiniMaxSparseKVPool.size_for_budget(GIB, 1, kinds, *geo, dtype)
+    fits = MiniMaxSparseKVPool.size_for_budget(GIB, kinds, *geo, dtype)
     return {
         "layer_kinds": kinds,
         "layers_by_kind": {k: kinds.count(k) for k in by_kind},
@@ -47,7 +47,7 @@ def _model(path: Path, dtype: torch.dtype) -> dict:
         "k_only_saves_fraction": (without_k_only - total) / without_k_only,
         "tokens_per_gib": fits,
         "tokens_per_gib_if_every_sparse_layer_had_index_v":
-            MiniMaxSparseKVPool.size_for_budget(GIB, 1, all_index_v, *geo, dtype),
+            MiniMaxSparseKVPool.size_for_budget(GIB, all_index_v, *geo, dtype),
     }
 
 

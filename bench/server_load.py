@@ -28,9 +28,9 @@ def run(ctx: BenchContext) -> dict:
     del llm
 
     flags = ("--model-path", str(model), "--max-running-requests", str(top), "--dtype", "float32",
-             "--device", "cpu", "--log-level", "warning")
+             "--device", "cpu", "--log-level", "warning", "--cuda-graph-max-bs", str(top))  # (captured)
     levels = []
-    with live_server(*flags, log_dir=ctx.workdir) as srv:
+    with live_server(*flags, log_dir=ctx.workdir, wait=600) as srv:
         post_all(srv.url, warm)
         for c in s.load_levels:
             secs, st = stream_closed_loop(srv.url, workloads[c], c)

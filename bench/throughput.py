@@ -65,8 +65,8 @@ def run(ctx: BenchContext) -> dict:
     del llm
 
     flags = ("--model-path", str(model), "--max-running-requests", str(s.tp_requests), "--dtype", "float32",
-             "--device", "cpu", "--log-level", "warning")
-    with live_server(*flags, log_dir=ctx.workdir) as srv:
+             "--device", "cpu", "--log-level", "warning", "--cuda-graph-max-bs", str(s.tp_requests))  # (captured)
+    with live_server(*flags, log_dir=ctx.workdir, wait=600) as srv:
         post_all(srv.url, warm)
         secs, toks, errors = post_all(srv.url, reqs)
     systems["ours_server_http"] = {"seconds": secs, "output_tokens": toks, "tok_s": toks / secs, "errors": errors}

@@ -71,8 +71,9 @@ def start_server(*args: str, log_dir: Path | None = None, wait: float = 90, modu
 
 
 @contextmanager
-def live_server(*args: str, log_dir: Path | None = None, module: str = "server") -> Iterator[LiveServer]:
-    srv = start_server(*args, log_dir=log_dir, module=module)
+def live_server(*args: str, log_dir: Path | None = None, module: str = "server",
+                wait: float = 90) -> Iterator[LiveServer]:
+    srv = start_server(*args, log_dir=log_dir, module=module, wait=wait)
     try:
         yield srv
     finally:
