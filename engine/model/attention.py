@@ -15,8 +15,9 @@ from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
-# NOTE: an extend over at most this many times K*B keys runs its sparse layers as one dense SDPA under
-# the selection as a mask, instead of gathering K*B keys per query (eager; FIGURE).
+# NOTE: an extend chunk that sees at most this many times K*B keys runs its sparse layers as one dense SDPA
+# under the selection as a mask, instead of gathering K*B keys per query (eager; hf copy of configs/tiny,
+# 2 threads: prefill of 1k tokens 0.338 s vs 0.755 s gathered, 4k 2.17 s vs 3.03 s).
 MASKED_MAX_FACTOR = 12
 
 
@@ -29,6 +30,11 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
             for s in batch.segments]
     o = torch.cat([a for a, _ in outs])
     return o, (torch.cat([u for _, u in outs]) if outs[0][1] is not None else None)
+
+
+def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an SDPA bias: 0 where kept, -inf elsewhere (NOTE: CPU SDPA converts a bool mask per call)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
 
 
 @torch.library.custom_op("minimax::paged_attention", mutates_args=())
@@ -45,8 +51,7 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
     d = q.shape[-1]
     k = k_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
     v = v_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, NEG_INF)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
 
 
 @paged_attention.register_fake
@@ -66,8 +71,7 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torc
         return paged_attention(q, k_buf, v_buf, rows, keep, scale)
     d = q.shape[-1]
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill(~keep, NEG_INF)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
@@ -120,9 +124,7 @@ def _causal_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg:
     qh = q.transpose(0, 1)[None]  # [1, heads, T, D]
     mask = None
     if seg.first_pos:  # a cached prefix: query t sees keys j <= first_pos + t
-        j = torch.arange(seg.num_keys, device=q.device)
-        mask = torch.zeros(seg.queries, seg.num_keys, dtype=q.dtype, device=q.device).masked_fill_(
-            j[None, :] > seg.q_pos()[0][:, None], NEG_INF)  # NOTE: additive: CPU SDPA converts a bool mask per call
+        mask = additive(torch.arange(seg.num_keys, device=q.device)[None, :] <= seg.q_pos()[0][:, None], q.dtype)
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=k.shape[1] != qh.shape[1])
     return o[0].transpose(0, 1).reshape(seg.queries, -1)
@@ -138,8 +140,9 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
     else:
         ik = pool.get_index_k_buffer(layer_id)[seg.slots][:, 0]  # [N, D_I]
         limit = MASKED_MAX_FACTOR * cfg.topk_blocks * cfg.block_size  # keys a masked chunk may see
-        kv = (k_buf[seg.slots[:limit]].transpose(0, 1)[None], v_buf[seg.slots[:limit]].transpose(0, 1)[None])
         chunks = [(a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK)]
+        kv = ((k_buf[seg.slots[:limit]].transpose(0, 1)[None], v_buf[seg.slots[:limit]].transpose(0, 1)[None])
+              if seg.first_pos + chunks[0][1] <= limit else None)  # (no chunk masked: nothing to gather)
         o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, k_buf, v_buf, kv if seg.first_pos + b <= limit else None,
                                      seg, seg.q_pos(a, b), cfg) for a, b in chunks])
     u = None
@@ -175,7 +178,6 @@ def masked_sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bloc
     keep.scatter_(-1, torch.where(blocks < 0, nb, blocks), True)  # unused slots land in a spare column
     keep = keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :n]
     keep &= torch.arange(n, device=q.device)[None, None, :] <= q_pos[:, None, None]  # [T, n_kv, N]
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, NEG_INF)
-    bias = bias.transpose(0, 1).repeat_interleave(q.shape[1] // n_kv, dim=0)[None]  # [1, n_q, T, N]
+    bias = additive(keep, q.dtype).transpose(0, 1).repeat_interleave(q.shape[1] // n_kv, dim=0)[None]  # [1,n_q,T,N]
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=bias, scale=scale, enable_gqa=True)
     return o[0].transpose(0, 1).reshape(t, -1)
