@@ -84,6 +84,19 @@ def test_captured_decode_equals_eager(paged, rows):
     assert paged.kv.check_integrity()
 
 
+def test_one_graph_serves_every_key_length_and_grad_mode(tiny3):
+    """After warm-up, the batch-1 graph runs with grad on or off and at key lengths on both sides of 4096 (where
+    inductor's CPU float sums change) without compiling again, and matches eager there."""
+    p = PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n, grad in ((320, True), (320, False), (4160, False), (8192, True)):
+            keys = (torch.arange(n) % 4000 + 1)[None]  # any slots: the pool's size does not bound a row's keys
+            batch = DecodeBatch(torch.tensor([5]), torch.tensor([n - 1]), torch.tensor([n % 4000]), keys)
+            with torch.set_grad_enabled(grad):
+                captured = p.runner.graphs.run(batch)
+            assert (captured - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+
+
 def test_padding_rows_touch_only_the_padding_slot(tiny3):
     p = PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
     kvs = [p.kv.admit([]) for _ in range(3)]
