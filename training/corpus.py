@@ -57,10 +57,12 @@ def write_shard(path: Path, rows: list[dict]) -> None:
     tmp.rename(path)  # atomic: a shard is either whole or absent
 
 
-def read_corpus(directory: Path = DEFAULT_DIR) -> list[dict]:
-    """Every story of every shard, in shard order."""
+def read_corpus(directory: Path = DEFAULT_DIR, shards: int | None = None) -> list[dict]:
+    """Every story of every shard (or of shards 0..shards-1), in shard order."""
     rows = []
     for path in sorted(directory.glob("shard_*.jsonl.xz")):
+        if shards is not None and int(path.name[6:11]) >= shards:
+            continue
         with lzma.open(path, "rt", encoding="utf-8") as f:
             rows.extend(json.loads(line) for line in f)
     return rows
