@@ -16,9 +16,10 @@ from mem_cache import MiniMaxSparseKVPool
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
 # NOTE: an extend chunk that sees at most this many times K*B keys runs its sparse layers as one dense SDPA
-# under the selection as a mask, instead of gathering K*B keys per query (eager; hf copy of configs/tiny,
-# 2 threads: prefill of 1k tokens 0.338 s vs 0.755 s gathered, 4k 2.17 s vs 3.03 s).
-MASKED_MAX_FACTOR = 12
+# under the selection as a mask; a longer one gathers each query's K selected blocks whole from a block-major
+# copy of the segment's K/V. Per 256-query chunk (configs/tiny shapes, 2 threads): masked 1.7/3.1/3.9/5.0/
+# 6.2 ms at 512/768/1024/1536/2048 keys, block gathers 2.8-3.8 ms at any length (per-key gathers 4-5 ms).
+MASKED_MAX_FACTOR = 4
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
@@ -62,16 +63,19 @@ def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Ten
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """`paged_attention`, except for one query row, where inductor's own gathers and an SDPA call are cheaper
-    than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
-    NOTE: SDPA, not a softmax written out: inductor's CPU code sums floats over more than 4096 keys another
-    way, so a written-out softmax split the graph at 4096 keys (a recompile mid-serving); SDPA's sum is
-    inside its kernel (batch-1 step 2.79 ms vs 2.53 ms written out, configs/tiny, 320 keys)."""
+    """`paged_attention`, except for one query row, where inductor's own gathers and a written-out softmax are
+    cheaper than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
+    NOTE: the max and the sum run in two levels (N/64 x 64): inductor's CPU code sums more than 4096 floats
+    another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a recompile
+    mid-serving). Written out this way the batch-1 step is 2.32 ms against 2.60 ms through SDPA (configs/tiny,
+    320 keys, 2 threads, one run)."""
     if q.shape[0] > 1 or not torch.compiler.is_compiling():
         return paged_attention(q, k_buf, v_buf, rows, keep, scale)
-    d = q.shape[-1]
+    d, n = q.shape[-1], rows.shape[-1]
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
+    s = F.pad((q @ k.transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % 64), value=NEG_INF)
+    p = torch.exp(s - s.unflatten(-1, (-1, 64)).amax(-1).amax(-1, keepdim=True))  # [1, H, G, N padded to 64]
+    return (p[..., :n] @ v) / p.unflatten(-1, (-1, 64)).sum(-1).sum(-1, keepdim=True)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
@@ -139,12 +143,9 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
         o = _causal_sdpa(q, k_buf, v_buf, seg, scale)
     else:
         ik = pool.get_index_k_buffer(layer_id)[seg.slots][:, 0]  # [N, D_I]
-        limit = MASKED_MAX_FACTOR * cfg.topk_blocks * cfg.block_size  # keys a masked chunk may see
-        chunks = [(a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK)]
-        kv = ((k_buf[seg.slots[:limit]].transpose(0, 1)[None], v_buf[seg.slots[:limit]].transpose(0, 1)[None])
-              if seg.first_pos + chunks[0][1] <= limit else None)  # (no chunk masked: nothing to gather)
-        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, k_buf, v_buf, kv if seg.first_pos + b <= limit else None,
-                                     seg, seg.q_pos(a, b), cfg) for a, b in chunks])
+        kv = _blocked(k_buf, seg, cfg.block_size), _blocked(v_buf, seg, cfg.block_size)
+        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, kv, seg, seg.q_pos(a, b), cfg)
+                       for a, b in ((a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK))])
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense causal over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
@@ -152,20 +153,41 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
     return o, u
 
 
-def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
-                  kv: tuple[torch.Tensor, torch.Tensor] | None, seg: Segment, q_pos: torch.Tensor,
-                  cfg: ModelConfig) -> torch.Tensor:
-    """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T]; `kv`: the
-    segment's first keys and values [1, n_kv, N, D] when the chunk runs as masked dense attention."""
-    visible = torch.arange(seg.num_keys, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, N]
-    scores = block_scores(iq[None], ik[None], visible, cfg.block_size)  # [1, n_kv, T, nb]
-    blocks = select_blocks(scores, q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks)
-    if kv is not None:  # the chunk's keys are the first q_pos[-1] + 1 of the segment
-        n = int(q_pos[0, -1]) + 1
-        return masked_sparse_attend(q, kv[0][:, :, :n], kv[1][:, :, :n], blocks[0].transpose(0, 1), q_pos[0],
-                                    cfg.block_size, cfg.head_dim ** -0.5)
-    return sparse_attend(q, k_buf, v_buf, seg.slots[None].expand(q.shape[0], -1), blocks[0].transpose(0, 1),
-                         q_pos[0], cfg.block_size, cfg.head_dim ** -0.5)
+def _blocked(buf: torch.Tensor, seg: Segment, block_size: int) -> torch.Tensor:
+    """The segment's rows of a buffer [slots, heads, D] as a contiguous [heads, nb, B, D] copy (padded to whole
+    blocks with zeros, which no query selects)."""
+    rows = buf[seg.slots]
+    rows = F.pad(rows, (0, 0, 0, 0, 0, -rows.shape[0] % block_size)).transpose(0, 1).contiguous()
+    return rows.view(rows.shape[0], -1, block_size, rows.shape[-1])
+
+
+def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
+                  seg: Segment, q_pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T], over the
+    segment's keys and values kv in block layout [n_kv, nb, B, D]."""
+    n, scale = int(q_pos[0, -1]) + 1, cfg.head_dim ** -0.5  # the chunk sees the segment's first n keys
+    visible = torch.arange(n, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, n]
+    scores = block_scores(iq[None], ik[None, :n], visible, cfg.block_size)  # [1, n_kv, T, nb]
+    blocks = select_blocks(scores, q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
+                           cfg.local_blocks)[0].transpose(0, 1)  # [T, n_kv, K]
+    if n <= MASKED_MAX_FACTOR * cfg.topk_blocks * cfg.block_size:
+        k, v = (x.flatten(1, 2)[None, :, :n] for x in kv)
+        return masked_sparse_attend(q, k, v, blocks, q_pos[0], cfg.block_size, scale)
+    return block_sparse_attend(q, *kv, blocks, q_pos[0], scale)
+
+
+def block_sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+    """`sparse_attend` over one sequence's keys and values in contiguous block layout k, v [n_kv, nb, B, D]:
+    each query's selected blocks [T, n_kv, K] are gathered whole, and its G query heads attend to their K*B keys."""
+    t, (n_kv, nb, b, d) = q.shape[0], k.shape
+    rows = (blocks.clamp(min=0) + torch.arange(n_kv, device=q.device)[None, :, None] * nb).transpose(0, 1).flatten()
+    kk, vv = (x.view(n_kv * nb, b * d).index_select(0, rows).view(n_kv, t, -1, d) for x in (k, v))  # [n_kv,T,K*B,D]
+    pos, keep = block_keys(blocks, b)  # [T, n_kv, K*B]
+    keep &= pos <= q_pos[:, None, None]
+    o = F.scaled_dot_product_attention(q.view(t, n_kv, -1, d).transpose(0, 1), kk, vv,  # (kv head, query) batches
+                                       attn_mask=additive(keep.transpose(0, 1)[:, :, None], q.dtype), scale=scale)
+    return o.transpose(0, 1).reshape(t, -1)
 
 
 def masked_sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tensor,

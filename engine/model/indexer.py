@@ -19,7 +19,8 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
     r, t, h, _ = iq.shape
     n = ik.shape[1]
     nb = -(-n // block_size)
-    scores = torch.einsum("rthd,rnd->rhtn", iq.float(), ik.float()).masked_fill(~visible[:, None], NEG_INF)
+    scores = torch.matmul(iq.float().transpose(1, 2), ik.float().transpose(1, 2)[:, None])  # [R, H, T, N]
+    scores = scores.masked_fill_(~visible[:, None], NEG_INF)
     scores = F.pad(scores, (0, nb * block_size - n), value=NEG_INF)
     return scores.view(r, h, t, nb, block_size).amax(dim=-1)
 
