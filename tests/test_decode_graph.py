@@ -22,6 +22,7 @@ import torch
 from engine_utils import TINY, make_engine, solo
 from hf_models import HF_CONFIGS, build_hf_model
 
+from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
 from engine.runtime.scheduler import ScheduledBatch
@@ -95,6 +96,18 @@ def test_one_graph_serves_every_key_length_and_grad_mode(tiny3):
             with torch.set_grad_enabled(grad):
                 captured = p.runner.graphs.run(batch)
             assert (captured - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+
+
+def test_dense_only_model_through_the_batch_one_graph(tmp_path):
+    """A model with no sparse layer (its decode keys start at two SUM_PIECEs, not at K + 1 blocks) compiles one
+    batch-1 graph at warm-up that serves the shortest key length and longer ones, matching eager."""
+    build_hf_model("all_dense", tmp_path)
+    p = PagedModel(load_model(tmp_path), graph_buckets=[1])
+    assert p.runner.min_keys == 2 * SUM_PIECE
+    with torch.compiler.set_stance("fail_on_recompile"):
+        for n in (p.runner.min_keys, 1024 + SUM_PIECE):  # (decode key counts are whole pieces)
+            batch = DecodeBatch(torch.tensor([5]), torch.tensor([n - 1]), torch.tensor([n]), torch.arange(n)[None] + 1)
+            assert (p.runner.graphs.run(batch) - p.runner.decode_step(batch)).abs().max().item() < 1e-5
 
 
 def test_padding_rows_touch_only_the_padding_slot(tiny3):

@@ -20,6 +20,10 @@ QUERY_CHUNK = 256
 # copy of the segment's K/V. Per 256-query chunk (configs/tiny shapes, 2 threads): masked 1.7/3.1/3.9/5.0/
 # 6.2 ms at 512/768/1024/1536/2048 keys, block gathers 2.8-3.8 ms at any length (per-key gathers 4-5 ms).
 MASKED_MAX_FACTOR = 4
+# The batch-1 decode softmax sums its keys in pieces of this many (see `attend`). A decode step's key count
+# is a multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece
+# count is a size-1 dimension, specialized too).
+SUM_PIECE = 64
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
@@ -65,17 +69,17 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torc
            scale: float) -> torch.Tensor:
     """`paged_attention`, except for one query row, where inductor's own gathers and a written-out softmax are
     cheaper than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
-    NOTE: the max and the sum run in two levels (N/64 x 64): inductor's CPU code sums more than 4096 floats
-    another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a recompile
-    mid-serving). Written out this way the batch-1 step is 2.32 ms against 2.60 ms through SDPA (configs/tiny,
-    320 keys, 2 threads, one run)."""
+    NOTE: the max and the sum run in two levels (N/SUM_PIECE x SUM_PIECE): inductor's CPU code sums more than
+    4096 floats another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a
+    recompile mid-serving). Written out this way the batch-1 step is 1.8-2.3 ms against 2.6 ms through SDPA, and against
+    2.3-2.5 ms with the padding left to the max and the sum instead of sliced off (configs/tiny, 320 keys)."""
     if q.shape[0] > 1 or not torch.compiler.is_compiling():
         return paged_attention(q, k_buf, v_buf, rows, keep, scale)
-    d, n = q.shape[-1], rows.shape[-1]
+    d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
-    s = F.pad((q @ k.transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % 64), value=NEG_INF)
-    p = torch.exp(s - s.unflatten(-1, (-1, 64)).amax(-1).amax(-1, keepdim=True))  # [1, H, G, N padded to 64]
-    return (p[..., :n] @ v) / p.unflatten(-1, (-1, 64)).sum(-1).sum(-1, keepdim=True)
+    s = F.pad((q @ k.transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece), value=NEG_INF)
+    p = torch.exp(s - s.unflatten(-1, (-1, piece)).amax(-1).amax(-1, keepdim=True))  # [1, H, G, N padded]
+    return (p[..., :n] @ v) / p.unflatten(-1, (-1, piece)).sum(-1).sum(-1, keepdim=True)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------

@@ -5,7 +5,9 @@ captured graph when one covers its batch size; logits come back for the rows the
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
+from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.decode_graph import DecodeGraphs, graph_buckets
@@ -15,7 +17,9 @@ from mem_cache import MiniMaxSparseKVPool
 
 # NOTE: decode keys are padded (the padding masked) up to a multiple of KEY_BUCKET on CPU, to a power
 # of two (at least KEY_BUCKET) on CUDA, where each key length a graph sees is one more recorded graph.
+# Either way a multiple of SUM_PIECE.
 KEY_BUCKET = 64
+assert KEY_BUCKET % SUM_PIECE == 0
 
 
 class ModelRunner:
@@ -24,9 +28,9 @@ class ModelRunner:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         c = model.cfg
-        # NOTE: decode keys span at least K + 1 blocks, so a graph always sees more blocks than it
-        # selects: no shape-specialized branch, no recompile as a context grows.
-        self.min_keys = (c.topk_blocks + 1) * c.block_size if c.any_sparse else KEY_BUCKET
+        # NOTE: decode keys span at least K + 1 blocks, so a graph always sees more blocks than it selects, and
+        # at least two SUM_PIECEs: no shape-specialized branch, no recompile as a context grows.
+        self.min_keys = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
         cache = [t for sub in pool.sub_pools() for t in sub.tensors()]
         self.graphs = DecodeGraphs(self.decode_step, buckets, self.device, self.min_keys, cache)
@@ -55,9 +59,9 @@ class ModelRunner:
         """The step's fixed-shape inputs; keys padded to a multiple of KEY_BUCKET (padding is masked)."""
         need = max(batch.prefix_lens) + 1
         n = -(-need // KEY_BUCKET) * KEY_BUCKET if self.device.type == "cpu" else max(KEY_BUCKET, 1 << (need - 1).bit_length())
-        n = min(max(n, self.min_keys), table.shape[1])
-        dev = self.device
+        n, dev = max(n, self.min_keys), self.device
+        keys = table[torch.tensor(batch.rows, device=table.device), :n]
+        keys = F.pad(keys, (0, n - keys.shape[1]))  # (past the table's width: padding keys, slot 0, masked)
         return DecodeBatch(torch.tensor([x[0] for x in batch.new_ids], dtype=torch.int64, device=dev),
                            torch.tensor(batch.prefix_lens, dtype=torch.int64, device=dev),
-                           batch.out_cache_loc.to(dev, torch.int64),
-                           table[torch.tensor(batch.rows, device=table.device), :n].to(dev, torch.int64))
+                           batch.out_cache_loc.to(dev, torch.int64), keys.to(dev, torch.int64))
