@@ -169,7 +169,7 @@ def render(results: dict, targets: list[dict]) -> str:
              f"{bw['copy_bytes_per_s'] / GB:.2f} GB/s, STREAM-style {bw['stream_bytes_per_s'] / GB:.2f} GB/s.",
              "", _code(results.get("code")),
              "", "Every figure is measured in the same run as its baseline (ratios, not absolute claims). "
-             "Models: `configs/tiny` (seeded dummy weights) and a transformers `save_pretrained` copy of the same "
+             "Models: `configs/tiny` (its trained weights) and a transformers `save_pretrained` copy of the same "
              "weights (`hf_copy`: every sparse layer K-only, no init blocks) that both systems load.", "",
              *_targets(targets)]
     for name, fn in SECTIONS:
