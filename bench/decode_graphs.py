@@ -15,15 +15,11 @@ Writes docs/benchmarks/decode_graphs.json. About 10 minutes on 2 idle cores; run
 from __future__ import annotations
 
 import json
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-import httpx
 import torch
 
 from bench.hf_copy import write_hf_copy
@@ -33,8 +29,10 @@ from bench.models import load_transformers
 from bench.ours import make_engine, timed_generate
 from bench.roofline import decode_bytes_per_token
 from engine.model.loader import load_model
+from engine.runtime.decode_graph import CPU_MAX_BS
 from engine.runtime.request import NewRequest
 from engine.runtime.sampling_params import SamplingParams
+from tests.server_utils import start_server
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny"
@@ -109,22 +107,13 @@ def batched() -> dict:
 
 
 def startup(cache: Path) -> float:
-    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    """Seconds from starting `python -m server` as `make serve` does (default buckets) to /health 200."""
     t = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", str(TINY), "--port", "30931"], cwd=ROOT,
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        while time.perf_counter() - t < 900:
-            try:
-                if httpx.get("http://127.0.0.1:30931/health", timeout=2).status_code == 200:
-                    return time.perf_counter() - t
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        raise RuntimeError("the server did not become healthy in 900 s")
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    srv = start_server("--model-path", str(TINY), "--cuda-graph-max-bs", str(CPU_MAX_BS), wait=900,
+                       env={"TORCHINDUCTOR_CACHE_DIR": str(cache)})
+    seconds = time.perf_counter() - t
+    srv.terminate()
+    return seconds
 
 
 def main() -> int:

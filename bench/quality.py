@@ -20,10 +20,7 @@ import argparse
 import dataclasses
 import json
 import math
-import subprocess
-import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -35,6 +32,7 @@ from bench.models import load_transformers
 from engine.model.loader import load_model
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.tokenizer import Tokenizer
+from tests.server_utils import start_server
 from training.forward import forward
 from training.train import token_streams
 
@@ -72,18 +70,8 @@ def dense_twin(model: MiniMaxM3Model) -> MiniMaxM3Model:
 
 class Server:
     def __init__(self, model_dir: Path) -> None:
-        self.url = "http://127.0.0.1:30917"
-        self.proc = subprocess.Popen([sys.executable, "-m", "server", "--model-path", str(model_dir), "--port", "30917",
-                                      "--disable-cuda-graph", "--max-total-tokens", "16384"], cwd=ROOT,
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.5)
-        raise RuntimeError("the server did not start")
+        self.srv = start_server("--model-path", str(model_dir), "--max-total-tokens", "16384", wait=120)
+        self.url = self.srv.url
 
     def perplexity(self, wins: list[torch.Tensor]) -> float:
         nll, count = 0.0, 0
@@ -102,8 +90,7 @@ class Server:
         return text + r.json()["text"]
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=60)
+        self.srv.terminate()
 
 
 def main() -> int:

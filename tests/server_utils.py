@@ -41,9 +41,10 @@ class LiveServer:
 
 
 def start_server(*args: str, log_dir: Path | None = None, wait: float = 90, module: str = "server",
-                 port: int | None = None) -> LiveServer:
-    """Start a server (on a free port unless given) and wait (up to `wait` s, 0: not at all) until /health
-    is 200. Decode runs eager (no graph compile) unless the flags name the graph buckets."""
+                 port: int | None = None, env: dict[str, str] | None = None) -> LiveServer:
+    """Start a server (on a free port unless given; `env`: extra environment variables) and wait (up to
+    `wait` s, 0: not at all) until /health is 200. Decode runs eager (no graph compile) unless the flags
+    name the graph buckets."""
     port = port or free_port()
     log = (log_dir or Path("/tmp")) / f"server-{port}-{time.monotonic_ns()}.log"
     cmd = [sys.executable, "-m", module, "--port", str(port), *args]
@@ -51,8 +52,8 @@ def start_server(*args: str, log_dir: Path | None = None, wait: float = 90, modu
         cmd += ["--model-path", TINY] + ([] if "--load-format" in args else ["--load-format", "dummy"])
     if not {"--cuda-graph-bs", "--cuda-graph-max-bs"} & set(args):
         cmd.append("--disable-cuda-graph")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env)
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
     url = f"http://127.0.0.1:{port}"
     if wait == 0:
         return LiveServer(proc, url, log)
