@@ -29,8 +29,9 @@ class ModelRunner:
         self.device, self.dtype = p.device, p.dtype
         c = model.cfg
         # NOTE: decode keys span at least K + 1 blocks, so a graph always sees more blocks than it selects, and
-        # at least two SUM_PIECEs: no shape-specialized branch, no recompile as a context grows.
-        self.min_keys = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)
+        # at least two SUM_PIECEs, in whole KEY_BUCKETs: no shape-specialized branch, no recompile as a context grows.
+        least = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)
+        self.min_keys = -(-least // KEY_BUCKET) * KEY_BUCKET
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
         cache = [t for sub in pool.sub_pools() for t in sub.tensors()]
         self.graphs = DecodeGraphs(self.decode_step, buckets, self.device, self.min_keys, cache)
