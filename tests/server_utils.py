@@ -53,7 +53,7 @@ def start_server(*args: str, log_dir: Path | None = None, wait: float = 90, modu
     if not {"--cuda-graph-bs", "--cuda-graph-max-bs"} & set(args):
         cmd.append("--disable-cuda-graph")
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env=dict(os.environ, PYTHONUNBUFFERED="1", **(env or {})))
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     url = f"http://127.0.0.1:{port}"
     if wait == 0:
         return LiveServer(proc, url, log)

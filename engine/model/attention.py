@@ -22,7 +22,7 @@ QUERY_CHUNK = 256
 MASKED_MAX_FACTOR = 4
 # The batch-1 decode softmax sums its keys in pieces of this many (see `attend`). A decode step's key count
 # is a multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece
-# count is a size-1 dimension, specialized too).
+# count is a size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
 SUM_PIECE = 64
 
 
@@ -77,9 +77,10 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torc
         return paged_attention(q, k_buf, v_buf, rows, keep, scale)
     d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
-    s = F.pad((q @ k.transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece), value=NEG_INF)
+    s = F.pad((q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece),
+              value=NEG_INF)  # fp32 (model.md §2), as SDPA's softmax; no-ops on fp32
     p = torch.exp(s - s.unflatten(-1, (-1, piece)).amax(-1).amax(-1, keepdim=True))  # [1, H, G, N padded]
-    return (p[..., :n] @ v) / p.unflatten(-1, (-1, piece)).sum(-1).sum(-1, keepdim=True)
+    return ((p[..., :n] @ v.float()) / p.unflatten(-1, (-1, piece)).sum(-1).sum(-1, keepdim=True)).to(q.dtype)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
@@ -147,8 +148,11 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
         o = _causal_sdpa(q, k_buf, v_buf, seg, scale)
     else:
         ik = pool.get_index_k_buffer(layer_id)[seg.slots][:, 0]  # [N, D_I]
-        kv = _blocked(k_buf, seg, cfg.block_size), _blocked(v_buf, seg, cfg.block_size)
-        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, kv, seg, seg.q_pos(a, b), cfg)
+        # NOTE: a few queries over a long cached prefix gather their K*B keys each from the pool (sparse_attend)
+        # rather than copy the whole segment's K/V into block layout
+        few = seg.queries * cfg.topk_blocks * cfg.block_size < seg.num_keys
+        kv = None if few else (_blocked(k_buf, seg, cfg.block_size), _blocked(v_buf, seg, cfg.block_size))
+        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, (k_buf, v_buf) if few else kv, few, seg, seg.q_pos(a, b), cfg)
                        for a, b in ((a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK))])
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense causal over the whole history (model.md §4)
@@ -158,22 +162,24 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
 
 
 def _blocked(buf: torch.Tensor, seg: Segment, block_size: int) -> torch.Tensor:
-    """The segment's rows of a buffer [slots, heads, D] as a contiguous [heads, nb, B, D] copy (padded to whole
-    blocks with zeros, which no query selects)."""
+    """The segment's rows of a buffer [slots, heads, D] as a contiguous [heads, nb, B, D] copy, padded to whole
+    blocks with zeros (past the last key: causally masked for every query)."""
     rows = buf[seg.slots]
     rows = F.pad(rows, (0, 0, 0, 0, 0, -rows.shape[0] % block_size)).transpose(0, 1).contiguous()
     return rows.view(rows.shape[0], -1, block_size, rows.shape[-1])
 
 
 def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                  seg: Segment, q_pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+                  pooled: bool, seg: Segment, q_pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T], over the
-    segment's keys and values kv in block layout [n_kv, nb, B, D]."""
+    segment's keys and values kv: in block layout [n_kv, nb, B, D], or the pool's buffers when `pooled`."""
     n, scale = int(q_pos[0, -1]) + 1, cfg.head_dim ** -0.5  # the chunk sees the segment's first n keys
     visible = torch.arange(n, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, n]
     scores = block_scores(iq[None], ik[None, :n], visible, cfg.block_size)  # [1, n_kv, T, nb]
     blocks = select_blocks(scores, q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
                            cfg.local_blocks)[0].transpose(0, 1)  # [T, n_kv, K]
+    if pooled:
+        return sparse_attend(q, *kv, seg.slots[None].expand(q.shape[0], -1), blocks, q_pos[0], cfg.block_size, scale)
     if n <= MASKED_MAX_FACTOR * cfg.topk_blocks * cfg.block_size:
         k, v = (x.flatten(1, 2)[None, :, :n] for x in kv)
         return masked_sparse_attend(q, k, v, blocks, q_pos[0], cfg.block_size, scale)

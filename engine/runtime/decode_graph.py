@@ -99,7 +99,7 @@ class DecodeGraphs:
 def _own_frame(step: Callable[[DecodeBatch], torch.Tensor]) -> Callable[[DecodeBatch], torch.Tensor]:
     """`step` behind a function with a code object of its own. Dynamo keeps compiled graphs, and the guards
     that choose among them, per code object: with its own, an engine (several share a process in tests and
-    benchmarks) never meets another engine's graphs, and each frame holds one graph."""
+    benchmarks) never runs, nor is guarded against, another engine's graphs."""
     def frame(batch: DecodeBatch) -> torch.Tensor:
         return step(batch)
 
