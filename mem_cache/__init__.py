@@ -1,6 +1,5 @@
 """KV cache: SGLang-style token pools for dense and block-sparse attention layers, and the manager that owns
-token slots, request rows and the prefix cache. Knows no model and no HTTP: nothing here imports engine/ or server/.
-"""
+token slots, request rows and the prefix cache. Knows no model and no HTTP: nothing here imports engine/ or server/."""
 
 from mem_cache.allocator import TokenSlotAllocator
 from mem_cache.errors import KOnlyPoolError, LayerIdError, MissingBufferError, PoolExhaustedError

@@ -17,8 +17,7 @@ class TokenSlotAllocator:
     def __init__(self, size: int, device: str | torch.device = "cpu") -> None:
         if size <= 0:
             raise ValueError(f"TokenSlotAllocator: size must be positive, got {size}")
-        self.size = size
-        self.device = torch.device(device)
+        self.size, self.device = size, torch.device(device)
         # NOTE: index = slot; entry 0 (the padding slot) is always False and never in the free list.
         self._allocated = torch.zeros(size + 1, dtype=torch.bool, device=self.device)
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)

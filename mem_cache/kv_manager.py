@@ -21,9 +21,7 @@ class ReqToTokenPool:
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
         if size <= 0 or max_context_len <= 0:
             raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size} and {max_context_len}")
-        self.size = size
-        self.max_context_len = max_context_len
-        self.device = torch.device(device)
+        self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self._free: list[int] = []
         self._in_use: list[bool] = []

@@ -23,13 +23,11 @@ LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
 BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")
 
 # Which buffers each layer kind has.
-KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType(
-    {
-        DENSE: frozenset({"key", "value"}),
-        SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
-        SPARSE_K_ONLY: frozenset({"key", "value", "index_key"}),
-    }
-)
+KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({
+    DENSE: frozenset({"key", "value"}),
+    SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
+    SPARSE_K_ONLY: frozenset({"key", "value", "index_key"}),
+})
 
 
 @dataclass(frozen=True)
@@ -116,8 +114,7 @@ class SparsePoolInfoMixin:
 
     def sub_pools(self) -> list[MHATokenToKVPool | MHATokenToKOnlyPool]:
         """The sub-pools that exist (those with at least one layer), main first."""
-        pools = [self.main_pool, self.index_kv_pool, self.index_k_pool]
-        return [p for p in pools if p is not None]
+        return [p for p in (self.main_pool, self.index_kv_pool, self.index_k_pool) if p is not None]
 
     def layer_info(self, layer_id: int) -> dict[str, Any]:
         """One LayerInfo (http_api.md §6): kind, which buffers exist, where, their shapes, bytes/token."""
@@ -223,8 +220,7 @@ class SparsePoolInfoMixin:
         for t in tensors:
             assert tuple(t.shape) == shape, f"{tag}: buffer shape {tuple(t.shape)} != {shape}"
             assert t.dtype == self.dtype, f"{tag}: buffer dtype {t.dtype} != {self.dtype}"
-            dev = self.device
-            assert t.device.type == dev.type and dev.index in (None, t.device.index), (
-                f"{tag}: buffer on {t.device}, pool device {dev}")
+            assert t.device.type == self.device.type and self.device.index in (None, t.device.index), (
+                f"{tag}: buffer on {t.device}, pool device {self.device}")
         expected = len(tensors) * shape[0] * head_num * head_dim * self.dtype.itemsize
         assert pool.total_bytes() == expected, f"{tag}: total_bytes {pool.total_bytes()} != {expected}"

@@ -136,8 +136,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         return size
 
     def bytes_per_token(self) -> int:
-        return self.bytes_per_token_for(self.layer_kinds, self.head_num, self.head_dim, self.index_head_dim,
-                                        self.dtype)
+        return self.bytes_per_token_for(self.layer_kinds, self.head_num, self.head_dim, self.index_head_dim, self.dtype)
 
     def bytes_per_token_by_kind(self) -> dict[str, int]:
         """Bytes per token of ONE layer of each kind present in this model (in LAYER_KINDS order)."""

@@ -32,9 +32,8 @@ def not_json_message(content_type: str) -> str:
 
 def error_body(path: str, status: int, message: str, extra: dict | None = None) -> dict:
     if path.startswith("/v1/"):  # the OpenAI routes
-        body = {"object": "error", "message": message, "type": OPENAI_TYPES.get(status, str(status)),
-                "param": None, "code": status}
-        return body | (extra or {})
+        return {"object": "error", "message": message, "type": OPENAI_TYPES.get(status, str(status)),
+                "param": None, "code": status} | (extra or {})
     return {"error": {"message": message} | (extra or {})}
 
 

@@ -63,8 +63,7 @@ class Metrics:
         reg.register(self)  # its collect() gives the engine gauges
         self._reqs: dict[str, _ReqTimes] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, generated tokens) for gen_throughput
-        self._prompt_total = 0
-        self._cached_total = 0
+        self._prompt_total = self._cached_total = 0
 
     def collect(self) -> Any:
         """Scheduler and per-sub-pool gauges, read from the engine at scrape time (a custom collector)."""

@@ -1,6 +1,5 @@
 """OpenAI requests <-> engine: the response models (the shapes OpenAI's clients parse), the chat prompt; finish
-fields, usage and both logprob formats as pure functions over deltas and joined outputs (bodies and chunks alike).
-"""
+fields, usage and both logprob formats as pure functions over deltas and joined outputs (bodies and chunks alike)."""
 
 from __future__ import annotations
 
@@ -138,9 +137,7 @@ def completion_logprobs(tok: Tokenizer, lp: Logprobs, echo: bool, offset: int) -
     prompt entry has no logprob). With `logprobs: 0` each position's top_logprobs holds the token itself.
     Returns the object and the text offset after it (offsets count into the choice's returned text)."""
     out = CompletionLogprobs()
-    rows = []
-    if echo:
-        rows += list(zip(lp.input_token, lp.input_top or [None] * len(lp.input_token)))
+    rows = list(zip(lp.input_token, lp.input_top or [None] * len(lp.input_token))) if echo else []
     rows += list(zip(lp.output_token, lp.output_top or [None] * len(lp.output_token)))
     for (logprob, token_id), top in rows:
         text = token_text(tok, token_id)

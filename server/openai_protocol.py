@@ -77,15 +77,13 @@ class SamplingFields(BaseModel):
 
     def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
         """SamplingParams keys (`SamplingParams.from_dict` treats None as "use the default")."""
-        return {
-            "max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens, "n": self.n,
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-            "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-            "repetition_penalty": self.repetition_penalty, "stop": self.stop,
-            "stop_token_ids": self.stop_token_ids, "sampling_seed": self.seed, "logit_bias": self.logit_bias,
-            "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-            "no_stop_trim": self.no_stop_trim,
-        }
+        return {"max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens, "n": self.n,
+                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
+                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
+                "repetition_penalty": self.repetition_penalty, "stop": self.stop,
+                "stop_token_ids": self.stop_token_ids, "sampling_seed": self.seed, "logit_bias": self.logit_bias,
+                "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
+                "no_stop_trim": self.no_stop_trim}
 
     @property
     def include_usage(self) -> bool:
@@ -160,4 +158,3 @@ def document_request_bodies(schema: dict[str, Any]) -> None:
                 "the OpenAI error object" if path.startswith("/v1/") else '{"error": {"message": ...}}')}
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)
-

@@ -1,8 +1,7 @@
 """Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated `/get_*`
 aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3); the pool introspection routes /pools...
 (§6). NOTE: counts are read from the event-loop thread while the engine thread runs; they are plain ints, so a
-reading is at worst one step old.
-"""
+reading is at worst one step old."""
 
 from __future__ import annotations
 
@@ -81,7 +80,6 @@ async def server_info(request: Request) -> dict[str, Any]:
     info: dict[str, Any] = args.flat()
     if info.get("api_key"):
         info["api_key"] = "<redacted>"
-    metrics = state.metrics
     # the limits in force: --max-new-tokens-cap defaults to the context length
     if info["max_new_tokens_cap"] is None:
         info["max_new_tokens_cap"] = eng.context_len
@@ -94,7 +92,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "dp_size": 1,
         "captured_decode_batch_sizes": list(st.captured_batch_sizes),
         "internal_states": [{
-            "last_gen_throughput": metrics.gen_throughput() if metrics is not None else None,
+            "last_gen_throughput": state.metrics.gen_throughput() if state.metrics is not None else None,
             "num_running_reqs": st.num_running,
             "num_queue_reqs": st.num_waiting,
             "num_used_tokens": st.used_tokens,

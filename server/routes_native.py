@@ -107,10 +107,9 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
     top = _per_prompt("top_logprobs_num", req.top_logprobs_num, k, n, 0)
     ids = _per_prompt("token_ids_logprob", req.token_ids_logprob, k, n, None, listy=True)
     rids = _rids(req.rid, k, scalar)
-    reqs = [NewRequest(prompt, params[i], LogprobOptions(bool(ret[i]), start[i] if ret[i] else -1,
-                                                         top[i] if ret[i] else 0,
-                                                         (list(ids[i]) or None) if ret[i] and ids[i] else None),
-                       rids[i]) for i, prompt in enumerate(prompts)]
+    lps = [LogprobOptions(True, start[i], top[i], list(ids[i]) if ids[i] else None) if ret[i] else LogprobOptions()
+           for i in range(k)]
+    reqs = [NewRequest(prompt, params[i], lps[i], rids[i]) for i, prompt in enumerate(prompts)]
     return GenPlan(reqs, scalar and n == 1, bool(req.stream), bool(req.return_text_in_logprobs))
 
 
@@ -139,8 +138,7 @@ class NativeShaper:
             self._pending[i] = out
             return None
         self._sent[i] = out.completion_tokens
-        body = (self._shape(i, out, out.new_text, out.new_ids, out.logprobs) if self.incremental
-                else self.body(i, res))
+        body = self._shape(i, out, out.new_text, out.new_ids, out.logprobs) if self.incremental else self.body(i, res)
         if self.multi:
             body["index"] = i
         return body
@@ -192,10 +190,9 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     """Text or token ids in; one object (single prompt, n=1) or a list out; SSE with `stream`."""
     started = time.monotonic()
     state = server_state(request)
-    args = state.args
-    plan = plan_generate(body, state.engine.tokenizer, args.engine.max_new_tokens_cap)
+    plan = plan_generate(body, state.engine.tokenizer, state.args.engine.max_new_tokens_cap)
     sub = Submission(state.async_engine, plan.reqs, "/generate", started)  # 400 / 503 before anything starts
-    shaper = NativeShaper(plan, state.engine.tokenizer, args.incremental_streaming_output, started)
+    shaper = NativeShaper(plan, state.engine.tokenizer, state.args.incremental_streaming_output, started)
     if plan.stream:
         def frame(i: int, out: RequestOutput) -> str | None:
             body = shaper.frame(i, out, sub.joined[i])

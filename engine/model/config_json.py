@@ -2,8 +2,7 @@
 - the original MiniMax shape: a `sparse_attention_config` dict and `moe_layer_freq`;
 - the transformers-native shape (`model_type: minimax_m3_vl_text`): flat `index_*` keys,
   `layer_types`, `mlp_layer_types` and `rope_parameters`.
-Either may be wrapped in a multimodal config's `text_config`.
-"""
+Either may be wrapped in a multimodal config's `text_config`."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ def _per_layer_flags(d: dict[str, Any], field: str, n: int) -> list[bool]:
 
 def _rope(d: dict[str, Any], shape: str, head_dim: int) -> tuple[float, int]:
     rp = d.get("rope_parameters") or {}
-    rs = d.get("rope_scaling") or {}
-    for field, params in (("rope_scaling", rs), ("rope_parameters", rp)):
+    for field, params in (("rope_scaling", d.get("rope_scaling") or {}), ("rope_parameters", rp)):
         if not isinstance(params, dict):
             raise ConfigError(f"config field '{field}': must be an object, got {params!r}")
         kind = params.get("rope_type", params.get("type", "default"))
@@ -68,9 +66,7 @@ def _rope(d: dict[str, Any], shape: str, head_dim: int) -> tuple[float, int]:
 
 
 def _eos_ids(value: Any) -> tuple[int, ...]:
-    if value is None:
-        return ()
-    return tuple(int(v) for v in (value if isinstance(value, list) else [value]))
+    return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))
 
 
 def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
@@ -83,12 +79,11 @@ def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
                      f"entries must be 'full_attention' or 'minimax_m3_sparse', got {t!r}")
         # transformers has no index-value branch: every sparse layer is score-only (K-only).
         kinds = ["sparse_k_only" if i < len(types) and types[i] == "minimax_m3_sparse" else "dense" for i in range(n)]
-        return dict(
-            layer_kinds=tuple(kinds),
-            index_num_heads=int(_get(d, "index_n_heads", 4)), index_head_dim=int(_get(d, "index_head_dim", 128)),
-            block_size=int(_get(d, "index_block_size", 128)), topk_blocks=int(_get(d, "index_topk_blocks", 16)),
-            init_blocks=int(_get(d, "index_init_blocks", 0)), local_blocks=int(_get(d, "index_local_blocks", 1)),
-        )
+        return dict(layer_kinds=tuple(kinds), index_num_heads=int(_get(d, "index_n_heads", 4)),
+                    index_head_dim=int(_get(d, "index_head_dim", 128)),
+                    block_size=int(_get(d, "index_block_size", 128)), topk_blocks=int(_get(d, "index_topk_blocks", 16)),
+                    init_blocks=int(_get(d, "index_init_blocks", 0)),
+                    local_blocks=int(_get(d, "index_local_blocks", 1)))
     sc = d.get("sparse_attention_config") or {}
     _require(isinstance(sc, dict), "sparse_attention_config", "must be an object")
     enabled = bool(sc.get("use_sparse_attention", False))
@@ -105,13 +100,10 @@ def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
     if local is None and sc.get("sparse_local_tokens") is not None:
         local = math.ceil(int(sc["sparse_local_tokens"]) / block) + 1
     kinds = ["dense" if not s else ("sparse_k_only" if ko else "sparse_index_kv") for s, ko in zip(sparse, k_only)]
-    return dict(
-        layer_kinds=tuple(kinds),
-        index_num_heads=int(_get(sc, "sparse_num_index_heads", 4)),
-        index_head_dim=int(_get(sc, "sparse_index_dim", 128)),
-        block_size=block, topk_blocks=int(_get(sc, "sparse_topk_blocks", 16)),
-        init_blocks=int(0 if init is None else init), local_blocks=int(1 if local is None else local),
-    )
+    return dict(layer_kinds=tuple(kinds), index_num_heads=int(_get(sc, "sparse_num_index_heads", 4)),
+                index_head_dim=int(_get(sc, "sparse_index_dim", 128)),
+                block_size=block, topk_blocks=int(_get(sc, "sparse_topk_blocks", 16)),
+                init_blocks=int(0 if init is None else init), local_blocks=int(1 if local is None else local))
 
 
 def _moe_layers(d: dict[str, Any], shape: str, n: int) -> tuple[bool, ...]:
@@ -156,7 +148,6 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     theta, rotary = _rope(d, shape, head_dim)
 
     shared = int(_get(d, "shared_intermediate_size", 3072)) * int(_get(d, "n_shared_experts", 1))
-    archs = raw.get("architectures") or d.get("architectures") or []
     return ModelConfig(
         vocab_size=d["vocab_size"], hidden_size=hidden, num_layers=n, num_heads=n_q, num_kv_heads=n_kv,
         head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
@@ -174,8 +165,7 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         moe_layers=_moe_layers(d, shape, n),
         bos_token_id=d.get("bos_token_id"), eos_token_ids=_eos_ids(d.get("eos_token_id", raw.get("eos_token_id"))),
         shape=shape, model_type=str(raw.get("model_type", d.get("model_type", ""))),
-        architectures=tuple(archs),
-        **_sparse_fields(d, shape, n),
+        architectures=tuple(raw.get("architectures") or d.get("architectures") or []), **_sparse_fields(d, shape, n),
     )
 
 

@@ -42,8 +42,7 @@ def _index_files(model_dir: Path) -> dict[str, tuple[Path, str]]:
     """Checkpoint key (normalized) -> (the safetensors file holding it, the key as stored there)."""
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = {k: model_dir / f for k, f in weight_map.items()}
+        files = {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     else:
         shards = sorted(model_dir.glob("*.safetensors"))
         if not shards:
@@ -127,8 +126,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
     cfg = cfg or load_config(model_path)
     model = MiniMaxM3Model(cfg)
     model_dir = Path(model_path)
-    has_weights = any(model_dir.glob("*.safetensors"))
-    if load_format == "dummy" or (load_format == "auto" and not has_weights):
+    if load_format == "dummy" or (load_format == "auto" and not any(model_dir.glob("*.safetensors"))):
         logger.warning("loading DUMMY weights (seed %d) for %s: outputs are random, not a trained model",
                        seed, model_dir)
         init_dummy_weights(model, seed)

@@ -1,7 +1,6 @@
 """Where each of our parameters comes from in a checkpoint, for both layouts (model.md §6). A `Recipe` lists the
 checkpoint tensors (with the shape the config implies for each) and how to combine them into one of our fused
-parameters; each parameter has one recipe per layout, and the loader takes the first whose tensors are all present.
-"""
+parameters; each parameter has one recipe per layout, and the loader takes the first whose tensors are all present."""
 
 from __future__ import annotations
 

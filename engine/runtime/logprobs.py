@@ -17,8 +17,7 @@ def logprob_entries(logits: torch.Tensor, targets: list[int], top_n: int, ids: l
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1))
     ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
-    chosen = chosen_t[:, 0].tolist()
-    token = list(zip(chosen, targets))
+    token = list(zip(chosen_t[:, 0].tolist(), targets))
     top = None
     if top_n > 0:
         vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)

@@ -25,8 +25,7 @@ def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.
     width = max((len(r) for r in rows), default=0)
     counts = torch.zeros(len(rows), vocab_size + 1, dtype=torch.float32, device=device)
     if width:
-        ids = torch.tensor([list(r) + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64,
-                           device=device)
+        ids = torch.tensor([list(r) + [vocab_size] * (width - len(r)) for r in rows], dtype=torch.int64, device=device)
         ids = torch.where((ids >= 0) & (ids < vocab_size), ids, vocab_size)  # padding/out-of-range → spare column
         counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     return counts[:, :vocab_size]

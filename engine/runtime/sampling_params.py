@@ -185,9 +185,7 @@ class SamplingParams:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready copy of every field (`stop_token_ids` as a sorted list)."""
         out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out["stop"] = list(self.stop)
-        out["stop_regex"] = list(self.stop_regex)
-        out["stop_token_ids"] = sorted(self.stop_token_ids)
-        out["logit_bias"] = None if self.logit_bias is None else dict(self.logit_bias)
-        out["custom_params"] = None if self.custom_params is None else dict(self.custom_params)
+        out.update(stop=list(self.stop), stop_regex=list(self.stop_regex), stop_token_ids=sorted(self.stop_token_ids))
+        for key in ("logit_bias", "custom_params"):
+            out[key] = None if out[key] is None else dict(out[key])
         return out

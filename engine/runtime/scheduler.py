@@ -29,9 +29,7 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_running_requests: int, chunked_prefill_size: int) -> None:
-        self.kv = kv
-        self.max_running = max_running_requests
-        self.chunk = chunked_prefill_size
+        self.kv, self.max_running, self.chunk = kv, max_running_requests, chunked_prefill_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
 

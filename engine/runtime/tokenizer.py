@@ -69,8 +69,7 @@ class Tokenizer:
             self.eos_token_id = min(eos_ids)
         self.eos_token_ids: set[int] = eos_ids
 
-        decoder = hf_tokenizer.get_added_tokens_decoder()
-        specials = {i for i, tok in decoder.items() if tok.special}
+        specials = {i for i, tok in hf_tokenizer.get_added_tokens_decoder().items() if tok.special}
         specials.update(i for i in (self.bos_token_id, self.pad_token_id) if i is not None)
         self.special_token_ids: set[int] = specials | eos_ids
 
@@ -147,8 +146,7 @@ class IncrementalDetokenizer:
 
     def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = True
                  ) -> None:
-        self.tokenizer = tokenizer
-        self.skip_special_tokens = skip_special_tokens
+        self.tokenizer, self.skip_special_tokens = tokenizer, skip_special_tokens
         self._ids: list[int] = list(prompt_ids or ())
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - _PREFIX_CONTEXT_TOKENS, 0)
