@@ -103,12 +103,13 @@ def test_unknown_model_is_a_404_unless_served_or_an_alias(http, server):
         client.completions.create(model="gpt-4o", prompt="x", max_tokens=1)
 
 
-def test_a_request_id_in_flight_is_refused(http, server):
-    body = {"model": "tiny", "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True, "rid": "dup"}
+@pytest.mark.parametrize("route", [completion, chat])
+def test_a_request_id_in_flight_is_refused(http, server, route):
+    rid = f"dup-{route.__name__}"
+    body = {"model": "tiny", "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True, "rid": rid}
     with httpx.Client(base_url=server.url, timeout=60) as other, other.stream("POST", "/v1/completions", json=body) as r:
         next(r.iter_lines())  # the first chunk: the request is in the engine until this stream closes
-        refused(completion(http, rid="dup"), 400, "Duplicate request ID")
-        refused(chat(http, rid="dup"), 400, "Duplicate request ID")
+        refused(route(http, rid=rid), 400, "Duplicate request ID")
 
 
 def test_prompt_logprobs_in_vllms_shape(http):
