@@ -71,8 +71,9 @@ def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torc
     cheaper than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
     NOTE: the max and the sum run in two levels (N/SUM_PIECE x SUM_PIECE): inductor's CPU code sums more than
     4096 floats another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a
-    recompile mid-serving). Written out this way the batch-1 step is 1.8-2.3 ms against 2.6 ms through SDPA, and against
-    2.3-2.5 ms with the padding left to the max and the sum instead of sliced off (configs/tiny, 320 keys)."""
+    recompile mid-serving). Written out this way the batch-1 step is 1.8-2.3 ms against 2.6 ms through SDPA,
+    and against 2.3-2.5 ms with the padding left to the max and the sum instead of sliced off (configs/tiny,
+    320 keys)."""
     if q.shape[0] > 1 or not torch.compiler.is_compiling():
         return paged_attention(q, k_buf, v_buf, rows, keep, scale)
     d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
@@ -151,9 +152,9 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
         # NOTE: a few queries over a long cached prefix gather their K*B keys each from the pool (sparse_attend)
         # rather than copy the whole segment's K/V into block layout
         few = seg.queries * cfg.topk_blocks * cfg.block_size < seg.num_keys
-        kv = None if few else (_blocked(k_buf, seg, cfg.block_size), _blocked(v_buf, seg, cfg.block_size))
-        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, (k_buf, v_buf) if few else kv, few, seg, seg.q_pos(a, b), cfg)
-                       for a, b in ((a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK))])
+        kv = (k_buf, v_buf) if few else (_blocked(k_buf, seg, cfg.block_size), _blocked(v_buf, seg, cfg.block_size))
+        chunks = [(a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK)]
+        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, kv, few, seg, seg.q_pos(a, b), cfg) for a, b in chunks])
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense causal over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
