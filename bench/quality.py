@@ -112,7 +112,7 @@ def main() -> int:
         res[f"ctx{n}"] = {"windows": len(wins), "sparse_ppl": sparse_ppl, "dense_ppl": dense_ppl,
                           "sparse_over_dense": sparse_ppl / dense_ppl, "indexer_recall": recall}
         print(f"context {n}: {len(wins)} windows, ppl sparse {sparse_ppl:.3f} dense {dense_ppl:.3f} "
-              f"(+{100 * (sparse_ppl / dense_ppl - 1):.2f}%), indexer recall {recall:.3f}", flush=True)
+              f"({100 * (sparse_ppl / dense_ppl - 1):+.2f}%), indexer recall {recall:.3f}", flush=True)
     srv = Server(model_dir)
     try:
         wins = windows(held, 2048, min(12, most))

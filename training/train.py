@@ -29,7 +29,6 @@ from training.forward import forward
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny"
 RUN_DIR = Path(__file__).resolve().parent / "runs" / "tiny"
 HELD_OUT_EVERY = 50  # shard i is held out when i % 50 == 0
-KL_EVERY = 4  # the indexer's distillation term on every 4th step
 
 
 def token_streams(tok: Tokenizer, corpus_dir: Path = DEFAULT_DIR) -> tuple[torch.Tensor, torch.Tensor]:
@@ -98,6 +97,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kl-every", type=int, default=4, help="the indexer's distillation term on every n-th step")
     ap.add_argument("--export-only", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -132,7 +132,7 @@ def main() -> None:
             group["lr"] = lr_at(step, state["seconds"] / budget, args.lr, warmup=100)
         x = next(data)
         with torch.autocast("cpu", dtype=torch.bfloat16):  # NOTE: the KL term costs O(T^2) passes per layer
-            logits, aux = forward(model, x[:, :-1], indexer_loss=step % KL_EVERY == 0)  # (~2x a step)
+            logits, aux = forward(model, x[:, :-1], indexer_loss=step % args.kl_every == 0)  # (~2x a step)
         lm = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), x[:, 1:].reshape(-1))
         kl = torch.stack(aux.indexer_kl).mean() if aux.indexer_kl else torch.zeros(())
         opt.zero_grad(set_to_none=True)
