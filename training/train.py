@@ -100,6 +100,8 @@ def main() -> None:
     ap.add_argument("--kl-every", type=int, default=4, help="the indexer's distillation term on every n-th step")
     ap.add_argument("--export-only", action="store_true")
     args = ap.parse_args()
+    if args.kl_every < 1:
+        ap.error(f"--kl-every must be at least 1, got {args.kl_every}")
     torch.set_num_threads(args.threads)
     RUN_DIR.mkdir(parents=True, exist_ok=True)
     ckpt_path = RUN_DIR / "ckpt.pt"
