@@ -76,12 +76,14 @@ corpus: $(TRAIN_VENV)/.installed
 tokenizer: $(TRAIN_VENV)/.installed
 	$(TRAIN_PY) -m training.tokenizer
 
-# Three stages, as the shipped weights were made (each resumes the last; --hours counts the whole run):
-# 1.65 h at 1,024 tokens, to 2.65 h at 2,048, to 3.12 h at 2,048 with the indexer's term on every step.
+# The stages the shipped weights were made in (each resumes the last; --hours counts the whole run):
+# 1.65 h at 1,024 tokens, to 2.65 h at 2,048, to 3.12 h at 2,048 with the indexer's term on every step;
+# then 0.5 h of the score-only layers' indexers alone.
 train: $(TRAIN_VENV)/.installed
 	$(TRAIN_PY) -m training.train --hours 1.65 --threads 2 --seq-len 1024 --batch 8
 	$(TRAIN_PY) -m training.train --hours 2.65 --threads 2 --seq-len 2048 --batch 4
 	$(TRAIN_PY) -m training.train --hours 3.12 --threads 2 --seq-len 2048 --batch 4 --kl-every 1
+	$(TRAIN_PY) -m training.indexer --hours 0.5 --threads 2
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache

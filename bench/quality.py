@@ -10,7 +10,7 @@
   group) that its chosen blocks hold, over queries that see more blocks than top-k.
 - Six samples through the server: three story openings, greedy and at temperature 0.8.
 
-Writes docs/benchmarks/quality.json and prints a summary. About 5 minutes on 2 idle cores; never run it
+Writes docs/benchmarks/quality.json and prints a summary. About 3 minutes on 2 idle cores; never run it
 beside training or another benchmark.
 """
 
@@ -50,15 +50,16 @@ def windows(stream: torch.Tensor, n: int, limit: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def offline(model: MiniMaxM3Model, wins: list[torch.Tensor]) -> tuple[float, float | None]:
-    """(perplexity, mean indexer recall or None) of the windows through the training forward (fp32)."""
+def offline(model: MiniMaxM3Model, wins: list[torch.Tensor]) -> tuple[float, list[float]]:
+    """(perplexity, mean indexer recall per sparse layer, [] when none selects) of the windows through the
+    training forward (fp32)."""
     nll, count, recall = 0.0, 0, []
     for w in wins:
         logits, aux = forward(model, w[None], indexer_loss=True)
         nll += F.cross_entropy(logits[0, :-1], w[1:], reduction="sum").item()
         count += w.numel() - 1
-        recall += [r.item() for r in aux.recall]
-    return math.exp(nll / count), (sum(recall) / len(recall) if recall else None)
+        recall.append([r.item() for r in aux.recall])
+    return math.exp(nll / count), [sum(layer) / len(layer) for layer in zip(*recall)]
 
 
 def dense_twin(model: MiniMaxM3Model) -> MiniMaxM3Model:
@@ -107,12 +108,15 @@ def main() -> int:
     dense = dense_twin(model)
     for n, limit in ((1024, 24), (2048, 12)):
         wins = windows(held, n, min(limit, most))
-        sparse_ppl, recall = offline(model, wins)
+        sparse_ppl, per_layer = offline(model, wins)
         dense_ppl, _ = offline(dense, wins)
+        recall = sum(per_layer) / len(per_layer)
         res[f"ctx{n}"] = {"windows": len(wins), "sparse_ppl": sparse_ppl, "dense_ppl": dense_ppl,
-                          "sparse_over_dense": sparse_ppl / dense_ppl, "indexer_recall": recall}
+                          "sparse_over_dense": sparse_ppl / dense_ppl, "indexer_recall": recall,
+                          "indexer_recall_per_sparse_layer": per_layer}
         print(f"context {n}: {len(wins)} windows, ppl sparse {sparse_ppl:.3f} dense {dense_ppl:.3f} "
-              f"({100 * (sparse_ppl / dense_ppl - 1):+.2f}%), indexer recall {recall:.3f}", flush=True)
+              f"({100 * (sparse_ppl / dense_ppl - 1):+.2f}%), indexer recall {recall:.3f} "
+              f"(per sparse layer {' '.join(f'{r:.3f}' for r in per_layer)})", flush=True)
     srv = Server(model_dir)
     try:
         wins = windows(held, 2048, min(12, most))

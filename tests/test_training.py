@@ -14,6 +14,7 @@ from engine.model.loader import load_model
 from tests.forward_utils import PagedModel
 from training.export import export_safetensors
 from training.forward import forward
+from training.indexer import make_optimizer, step
 
 
 def test_training_forward_equals_the_engine_forward():
@@ -45,7 +46,7 @@ def test_the_language_model_loss_reaches_every_non_indexer_weight():
 def test_indexer_loss_trains_only_the_indexer_and_is_zero_when_it_matches():
     model = load_model(TINY, load_format="dummy", seed=4)
     c = model.cfg
-    ids = torch.randint(0, c.vocab_size, (1, 3 * c.block_size), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, c.vocab_size, (1, 4 * c.block_size), generator=torch.Generator().manual_seed(1))
     _, aux = forward(model, ids)
     torch.stack(aux.indexer_kl).sum().backward()
     attn = model.layers[c.layer_kinds.index("sparse_k_only")].self_attn
@@ -67,3 +68,21 @@ def test_exported_weights_load_back_identically(tmp_path):
     back = load_model(tmp_path)
     for (name, a), (_, b) in zip(model.named_parameters(), back.named_parameters()):
         assert torch.equal(a, b), name
+
+
+def test_indexer_stage_moves_only_the_score_only_layers_index_rows():
+    model = load_model(TINY, load_format="dummy", seed=7)
+    c = model.cfg
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ids = torch.randint(0, c.vocab_size, (1, 4 * c.block_size), generator=torch.Generator().manual_seed(3))
+    opt = make_optimizer(model, lr=1e-3)
+    first = step(model, opt, ids)
+    assert first > 0 and step(model, opt, ids) < first  # the free-block KL falls on the same window
+    moved = {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+    score_only = [i for i, k in enumerate(c.layer_kinds) if k == "sparse_k_only"]
+    assert moved == {f"layers.{i}.self_attn.{w}" for i in score_only for w in ("qkv_proj", "index_q_norm", "index_k_norm")}
+    for i in score_only:
+        a = model.layers[i].self_attn
+        lo, hi = sum(a.splits[:2]), sum(a.splits[:4])  # the index q/k rows of the fused projection
+        changed = (a.qkv_proj != before[f"layers.{i}.self_attn.qkv_proj"]).any(-1).nonzero().flatten()
+        assert changed.min() >= lo and changed.max() < hi

@@ -8,6 +8,9 @@ Sparse layers attend to their selected blocks exactly as the engine does. The in
 training signal (its top-k is not differentiable): a KL divergence from the main attention's mass
 per block (summed over each KV group's query heads, no gradient) to the softmax of its block scores,
 computed from a detached input so that it trains only the indexer (DeepSeek-V3.2's recipe, per block).
+In the joint stages both distributions cover every visible block; in the indexer-only stage
+(training/indexer.py) only the blocks the selection is free to choose (the init and local blocks are
+always kept), which is where its choice lies.
 """
 
 from __future__ import annotations
@@ -31,8 +34,16 @@ class Aux:
     routes: list[torch.Tensor] = field(default_factory=list)  # expert ids [B*T, k] per MoE layer
 
 
-def forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool = True) -> tuple[torch.Tensor, Aux]:
-    """Logits [B, T, V] (fp32) of token ids [B, T] (each row a sequence from position 0), and the aux terms."""
+def forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool = True,
+            indexer_only: bool = False) -> tuple[torch.Tensor, Aux]:
+    """Logits [B, T, V] (fp32) of token ids [B, T] (each row a sequence from position 0), and the aux terms.
+    indexer_only: the model runs without autograd and only the score-only layers' KL terms carry a gradient
+    (training/indexer.py: their index q/k feed nothing but the block selection)."""
+    with torch.set_grad_enabled(torch.is_grad_enabled() and not indexer_only):
+        return _forward(model, ids, indexer_loss, indexer_only)
+
+
+def _forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool, indexer_only: bool):
     b, t = ids.shape
     aux = Aux()
     x = model.embed_tokens(ids).view(b * t, -1)
@@ -40,7 +51,7 @@ def forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool = True)
     causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
     for layer in model.layers:
         y = layer.input_layernorm(x)
-        x = x + _attention(layer.self_attn, y, (cos, sin), b, t, causal, aux, indexer_loss)
+        x = x + _attention(layer.self_attn, y, (cos, sin), b, t, causal, aux, indexer_loss, indexer_only)
         y = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, MoE):
             r, w = layer.mlp.route(y)
@@ -68,7 +79,7 @@ def _heads(a: Attention, parts: list[torch.Tensor], cos_sin, b: int, t: int):
 
 
 def _attention(a: Attention, x: torch.Tensor, cos_sin, b: int, t: int, causal: torch.Tensor, aux: Aux,
-               indexer_loss: bool) -> torch.Tensor:
+               indexer_loss: bool, indexer_only: bool) -> torch.Tensor:
     c = a.cfg
     parts = list(F.linear(x, a.qkv_proj).split(a.splits, dim=-1))
     q, k, v, iq, ik, head = _heads(a, parts, cos_sin, b, t)
@@ -87,8 +98,9 @@ def _attention(a: Attention, x: torch.Tensor, cos_sin, b: int, t: int, causal: t
         bias = torch.zeros(keep.shape, dtype=q.dtype, device=x.device).masked_fill(~keep, NEG_INF)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=bias.repeat_interleave(g, dim=1), scale=scale,
                                            enable_gqa=True)
-    if a.kind != "dense" and indexer_loss and t > c.block_size:
-        kl, mass = _indexer_kl(a, x, cos_sin, q, k, b, t, causal, head)
+    if a.kind != "dense" and indexer_loss and t > c.block_size and (not indexer_only or a.kind == "sparse_k_only"):
+        with torch.set_grad_enabled(torch.is_grad_enabled() or indexer_only):
+            kl, mass = _indexer_kl(a, x, cos_sin, q, k, b, t, causal, head, free_only=indexer_only)
         aux.indexer_kl.append(kl)
         if t > c.topk_blocks * c.block_size:
             aux.recall.append(_recall(mass, blocks, c.topk_blocks, c.block_size))
@@ -109,20 +121,28 @@ def _recall(mass: torch.Tensor, blocks: torch.Tensor, topk: int, block_size: int
 
 
 def _indexer_kl(a: Attention, x: torch.Tensor, cos_sin, q: torch.Tensor, k: torch.Tensor, b: int, t: int,
-                causal: torch.Tensor, head) -> tuple[torch.Tensor, torch.Tensor]:
-    """KL(main attention mass per block || softmax of the indexer's block scores), per query, mean; and
-    that mass per block [B, n_kv, T, nb]."""
+                causal: torch.Tensor, head, free_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """KL(main attention mass per block || softmax of the indexer's block scores) over every visible block, or
+    (free_only) over the blocks neither init nor local, mean over the queries that have such blocks; and the
+    mass per block [B, n_kv, T, nb] over every block (for the recall)."""
     c, bs = a.cfg, a.cfg.block_size
     nb = -(-t // bs)
     with torch.no_grad():
         p = torch.softmax((q @ k.repeat_interleave(c.num_heads // c.num_kv_heads, 1).transpose(-1, -2)
                            * c.head_dim ** -0.5).float().masked_fill(~causal, NEG_INF), dim=-1)
         p = p.view(b, c.num_kv_heads, -1, t, t).sum(2)  # [B, n_kv, T, T]: each KV group's query heads
-        target = F.pad(p, (0, nb * bs - t)).view(b, c.num_kv_heads, t, nb, bs).sum(-1)
-        target = target / target.sum(-1, keepdim=True)
+        mass = F.pad(p, (0, nb * bs - t)).view(b, c.num_kv_heads, t, nb, bs).sum(-1)
+        mass = mass / mass.sum(-1, keepdim=True)
+        visible = torch.arange(t, device=x.device)[:, None] // bs + 1  # V_t, [T, 1]
+        blk = torch.arange(nb, device=x.device)
+        free = blk < visible  # [T, nb]
+        if free_only:
+            free &= (blk >= c.init_blocks) & (blk < visible - c.local_blocks)
+        target = mass * free
+        target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     rows = F.linear(x.detach(), a.qkv_proj[sum(a.splits[:2]):sum(a.splits[:4])])  # index q, k only
     iq, ik = head(rows[:, :a.splits[2]], c.index_num_heads, a.index_q_norm), head(rows[:, a.splits[2]:], 1, a.index_k_norm)
     scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), bs)  # [B, n_I, T, nb]
-    logq = torch.log_softmax(scores, dim=-1)
+    logq = torch.log_softmax(scores.masked_fill(~free, NEG_INF), dim=-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), torch.zeros_like(target))
-    return kl.sum(-1).mean(), target
+    return kl.sum(-1)[:, :, free.any(-1)].mean(), mass
