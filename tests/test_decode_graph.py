@@ -25,6 +25,7 @@ from hf_models import HF_CONFIGS, build_hf_model
 from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
+from engine.runtime.decode_graph import CacheMissWatch
 from engine.runtime.scheduler import ScheduledBatch
 from tests.forward_utils import PagedModel
 from tests.server_utils import start_server
@@ -156,9 +157,32 @@ def test_warm_up_keeps_health_at_503_then_reports_the_buckets(tmp_path, tiny3):
         assert saw_warming and r.status_code == 200
         info = httpx.get(srv.url + "/server_info", timeout=10).json()
         assert info["captured_decode_batch_sizes"] == [1, 4] and info["status"] == "ready"
-        assert "decode graph 2/2: batch 4 ready" in srv.logs()
+        assert "decode graph 1/2: batch 4 ready" in srv.logs() and "decode graph 2/2: batch 1 ready" in srv.logs()
         out = httpx.post(srv.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}},
                          timeout=60).json()
         assert out["meta_info"]["completion_tokens"] == 4
     finally:
         srv.terminate()
+
+
+class _FakeChild:
+    exitcode = None
+
+    def join(self) -> None:
+        self.exitcode = 0
+
+
+def test_the_compile_beside_starts_only_on_a_cache_miss_and_is_waited_for():
+    misses = torch._dynamo.utils.counters["aot_autograd"]
+    started: list[_FakeChild] = []
+    warm = CacheMissWatch(lambda: started.append(_FakeChild()) or started[-1])
+    time.sleep(1.2)  # two looks, no miss: a warm cache starts nothing
+    warm.finish()
+    assert started == []
+    cold = CacheMissWatch(lambda: started.append(_FakeChild()) or started[-1])
+    misses["autograd_cache_miss"] += 1
+    deadline = time.monotonic() + 5
+    while not started and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cold.finish()
+    assert len(started) == 1 and started[0].exitcode == 0  # started once, and joined before batch 1 compiles

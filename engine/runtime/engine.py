@@ -3,6 +3,8 @@ take new requests and aborts, schedule, run, sample) -> a delta for each touched
 
 from __future__ import annotations
 
+import dataclasses
+import multiprocessing
 import threading
 import uuid
 
@@ -107,7 +109,16 @@ class Engine:
     # ---- the engine thread -----------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
-        self._runner.warm_up()
+        self._runner.warm_up(self._compile_beside)
+
+    def _compile_beside(self, buckets: tuple[int, ...]) -> multiprocessing.Process:
+        """A child process that builds this engine's twin (the same args: the same graphs, the same cache
+        keys) with only `buckets`, warms it up into the on-disk cache and exits."""
+        twin = dataclasses.replace(self.args, cuda_graph_bs=list(buckets))
+        child = multiprocessing.get_context("spawn").Process(
+            target=_warm_up_twin, args=(twin, torch.get_num_threads()), name="decode-graph-compile", daemon=True)
+        child.start()
+        return child
 
     def has_work(self) -> bool:
         with self._cond:
@@ -236,3 +247,9 @@ class Engine:
                 return self.check_integrity()
             except AssertionError:
                 return False
+
+
+def _warm_up_twin(args: EngineArgs, threads: int) -> None:
+    """`Engine._compile_beside`'s child: its whole work."""
+    torch.set_num_threads(threads)
+    Engine(args).warm_up()
