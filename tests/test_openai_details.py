@@ -108,8 +108,10 @@ def test_a_request_id_in_flight_is_refused(http, server, route):
     rid = f"dup-{route.__name__}"
     body = {"model": "tiny", "prompt": "Once", "max_tokens": 2000, "ignore_eos": True, "stream": True, "rid": rid}
     with httpx.Client(base_url=server.url, timeout=60) as other, other.stream("POST", "/v1/completions", json=body) as r:
-        next(r.iter_lines())  # the first chunk: the request is in the engine until this stream closes
+        lines = r.iter_lines()  # NOTE: held: a dropped line iterator, once collected, closes the connection
+        next(lines)  # the first chunk: the request is in the engine until this stream closes
         refused(route(http, rid=rid), 400, "Duplicate request ID")
+        lines.close()
 
 
 def test_prompt_logprobs_in_vllms_shape(http):
