@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.paged_attention import additive, paged_attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import NEG_INF, block_keys, block_scores, select_blocks
@@ -37,38 +38,11 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
     return o, (torch.cat([u for _, u in outs]) if outs[0][1] is not None else None)
 
 
-def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as an SDPA bias: 0 where kept, -inf elsewhere (NOTE: CPU SDPA converts a bool mask per call)."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
-
-
-@torch.library.custom_op("minimax::paged_attention", mutates_args=())
-def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
-                    keep: torch.Tensor, scale: float) -> torch.Tensor:
-    """softmax_j(q . k_j * scale) v_j over the kept keys, read straight from the pool.
-
-    q [B, H, G, D]: the G query heads of KV head h act as G queries over its keys (GQA); rows [B, H, N]:
-    each key's row of a buffer viewed as [slots * heads, D] (slot * heads + head); keep [B, H or 1, 1, N].
-    NOTE: an opaque op (index_select + SDPA), so inductor calls it instead of generating the gathers
-    itself: its generated gathers, written as strided scalar loads, were 2-5x slower (64 rows x 512
-    keys: 2.2 ms vs 0.9 ms per buffer, 1 thread).
-    """
-    d = q.shape[-1]
-    k = k_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
-    v = v_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
-
-
-@paged_attention.register_fake
-def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
-      scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """`paged_attention`, except for one query row, where inductor's own gathers and a written-out softmax are
-    cheaper than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
+    """`paged_attention`, except for one query row in a compiled graph, where inductor's own gathers and a
+    written-out softmax were cheaper than the op as a gather and SDPA (NOTE: batch-1 decode, 11 calls a step:
+    ~180 us each as that op; against the op's C kernel, 2.6-3.8 ms a token either way on a noisy machine).
     NOTE: the max and the sum run in two levels (N/SUM_PIECE x SUM_PIECE): inductor's CPU code sums more than
     4096 floats another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a
     recompile mid-serving). Written out this way the batch-1 step is 1.8-2.3 ms against 2.6 ms through SDPA,

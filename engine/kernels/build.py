@@ -1,0 +1,42 @@
+"""Building a C kernel of this package into a shared library, once per machine, and loading it (ctypes).
+
+The library lands beside inductor's compile cache (`TORCHINDUCTOR_CACHE_DIR`, by default
+/tmp/torchinductor_<user>), under minimax_kernels/, named by a hash of its source and flags: clearing that
+cache clears it too. Built with the compiler inductor uses on CPU (gcc, or $CC), with OpenMP: the library
+then shares the OpenMP runtime torch has loaded, so its threads are torch's (torch.set_num_threads holds).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import getpass
+import hashlib
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+
+# NOTE: -ffast-math lets gcc vectorize the exp and the dot products (libmvec); -march=native ties the
+# library to this CPU, as inductor's own cache is.
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lmvec", "-lm")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
+                                                                      f"torchinductor_{getpass.getuser()}")
+    return Path(root) / "minimax_kernels"
+
+
+def load(source: Path) -> ctypes.CDLL:
+    """The library built from `source` (built now if this machine has not yet); raises OSError or
+    subprocess.CalledProcessError if it cannot be built or loaded."""
+    cc = os.environ.get("CC", "gcc")
+    key = hashlib.sha256("\0".join((source.read_text(), cc, *FLAGS, *LIBS)).encode()).hexdigest()[:16]
+    lib = cache_dir() / f"{source.stem}-{key}.so"
+    if not lib.exists():
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # (built apart, then renamed: processes may race)
+        subprocess.run([cc, *FLAGS, "-o", str(tmp), str(source), *LIBS], check=True, capture_output=True, text=True)
+        os.replace(tmp, lib)
+    return ctypes.CDLL(str(lib))

@@ -1,0 +1,81 @@
+"""`minimax::paged_attention`: attention of a few queries per row over keys read through slot indices.
+
+On CPU in float32 it runs paged_attention.c, which reads each key and value in place from the pool; elsewhere
+(CUDA, other dtypes, or no C compiler) it gathers the keys and values (index_select) and calls SDPA.
+NOTE: the C kernel against the gather and SDPA, 2 threads, contiguous slots per row: 64 rows x 2 KV heads x
+256 keys 0.48 vs 1.36 ms, 8 rows 0.05 vs 0.15 ms, 1 row 0.013 vs 0.085 ms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import build
+
+logger = logging.getLogger(__name__)
+NEG_INF = float("-inf")
+
+
+@functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
+def kernel() -> ctypes._CFuncPtr | None:
+    try:
+        fn = build.load(Path(__file__).with_suffix(".c")).paged_decode_attention
+    except Exception as e:  # (no compiler, or a failed build: the gather and SDPA still work)
+        logger.warning("paged attention: the C kernel is unavailable (%s); gathering and calling SDPA instead", e)
+        return None
+    fn.restype = None
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 6 + [ctypes.c_float]
+    return fn
+
+
+def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as an SDPA bias: 0 where kept, -inf elsewhere (NOTE: CPU SDPA converts a bool mask per call)."""
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
+
+
+@torch.library.custom_op("minimax::paged_attention", mutates_args=())
+def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
+                    keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax_j(q . k_j * scale) v_j over the kept keys, read straight from the pool.
+
+    q [B, H, G, D]: the G query heads of KV head h act as G queries over its keys (GQA); rows [B, H, N]:
+    each key's row of a buffer viewed as [slots * heads, D] (slot * heads + head); keep [B, H or 1, 1, N].
+    An opaque op: a compiled graph calls it as it is.
+    """
+    fn = kernel() if q.device.type == "cpu" and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32 else None
+    return gather_sdpa(q, k_buf, v_buf, rows, keep, scale) if fn is None else in_place(fn, q, k_buf, v_buf, rows,
+                                                                                        keep, scale)
+
+
+def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
+                scale: float) -> torch.Tensor:
+    """The keys and values gathered (copies), then SDPA (any device and dtype)."""
+    d = q.shape[-1]
+    k = k_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
+    v = v_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
+
+
+def in_place(fn: ctypes._CFuncPtr, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
+             keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """paged_attention.c (float32, CPU): the keys and values read in place (a query with no kept key gets zeros)."""
+    q, rows, keep = q.contiguous(), rows.contiguous(), keep.contiguous()
+    b, h, g, d = q.shape
+    assert rows.shape[:2] == (b, h) and keep.shape[1] in (1, h) and rows.dtype == torch.int64 and keep.dtype == torch.bool
+    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[-1] == d
+    out = torch.empty_like(q)
+    fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), keep.data_ptr(), out.data_ptr(),
+       b, h, g, d, rows.shape[-1], keep.shape[1], scale)
+    return out
+
+
+@paged_attention.register_fake
+def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
+      scale: float) -> torch.Tensor:
+    return torch.empty_like(q)
