@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_attention import additive, paged_attention
+from engine.kernels.paged_attention import paged_attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import NEG_INF, block_keys, block_scores, select_blocks
@@ -16,11 +16,6 @@ from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
-# NOTE: an extend chunk that sees at most this many times K*B keys runs its sparse layers as one dense SDPA
-# under the selection as a mask; a longer one gathers each query's K selected blocks whole from a block-major
-# copy of the segment's K/V. Per 256-query chunk (configs/tiny shapes, 2 threads): masked 1.7/3.1/3.9/5.0/
-# 6.2 ms at 512/768/1024/1536/2048 keys, block gathers 2.8-3.8 ms at any length (per-key gathers 4-5 ms).
-MASKED_MAX_FACTOR = 4
 # The batch-1 decode softmax sums its keys in pieces of this many (see `attend`). A decode step's key count
 # is a multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece
 # count is a size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
@@ -40,9 +35,8 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
 
 def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
            scale: float) -> torch.Tensor:
-    """`paged_attention`, except for one query row in a compiled graph, where inductor's own gathers and a
-    written-out softmax were cheaper than the op as a gather and SDPA (NOTE: batch-1 decode, 11 calls a step:
-    ~180 us each as that op; against the op's C kernel, 2.6-3.8 ms a token either way on a noisy machine).
+    """`paged_attention`, except for one query row, where inductor's own gathers and a written-out softmax are
+    cheaper than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
     NOTE: the max and the sum run in two levels (N/SUM_PIECE x SUM_PIECE): inductor's CPU code sums more than
     4096 floats another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a
     recompile mid-serving). Written out this way the batch-1 step is 1.8-2.3 ms against 2.6 ms through SDPA,
@@ -106,9 +100,7 @@ def _causal_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, seg:
     """Dense causal attention of the segment's queries q [T, heads, D] over its keys (GQA)."""
     k, v = k_buf[seg.slots].transpose(0, 1)[None], v_buf[seg.slots].transpose(0, 1)[None]  # [1, n_kv, N, D]
     qh = q.transpose(0, 1)[None]  # [1, heads, T, D]
-    mask = None
-    if seg.first_pos:  # a cached prefix: query t sees keys j <= first_pos + t
-        mask = additive(torch.arange(seg.num_keys, device=q.device)[None, :] <= seg.q_pos()[0][:, None], q.dtype)
+    mask = seg.causal_bias(q.dtype) if seg.first_pos else None  # (a cached prefix: query t sees j <= first_pos + t)
     o = F.scaled_dot_product_attention(qh, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                        enable_gqa=k.shape[1] != qh.shape[1])
     return o[0].transpose(0, 1).reshape(seg.queries, -1)
@@ -123,12 +115,8 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
         o = _causal_sdpa(q, k_buf, v_buf, seg, scale)
     else:
         ik = pool.get_index_k_buffer(layer_id)[seg.slots][:, 0]  # [N, D_I]
-        # NOTE: a few queries over a long cached prefix gather their K*B keys each from the pool (sparse_attend)
-        # rather than copy the whole segment's K/V into block layout
-        few = seg.queries * cfg.topk_blocks * cfg.block_size < seg.num_keys
-        kv = (k_buf, v_buf) if few else (_blocked(k_buf, seg, cfg.block_size), _blocked(v_buf, seg, cfg.block_size))
         chunks = [(a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK)]
-        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, kv, few, seg, seg.q_pos(a, b), cfg) for a, b in chunks])
+        o = torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, k_buf, v_buf, seg, seg.q_pos(a, b), cfg) for a, b in chunks])
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense causal over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
@@ -136,55 +124,17 @@ def _segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, seg: Segme
     return o, u
 
 
-def _blocked(buf: torch.Tensor, seg: Segment, block_size: int) -> torch.Tensor:
-    """The segment's rows of a buffer [slots, heads, D] as a contiguous [heads, nb, B, D] copy, padded to whole
-    blocks with zeros (past the last key: causally masked for every query)."""
-    rows = buf[seg.slots]
-    rows = F.pad(rows, (0, 0, 0, 0, 0, -rows.shape[0] % block_size)).transpose(0, 1).contiguous()
-    return rows.view(rows.shape[0], -1, block_size, rows.shape[-1])
-
-
-def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, kv: tuple[torch.Tensor, torch.Tensor],
-                  pooled: bool, seg: Segment, q_pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T], over the
-    segment's keys and values kv: in block layout [n_kv, nb, B, D], or the pool's buffers when `pooled`."""
+def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                  seg: Segment, q_pos: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The indexer and block-sparse attention for a chunk of a segment's queries at q_pos [1, T]: each query's
+    K*B selected keys read from the pool (`sparse_attend`). NOTE: on CPU nothing is gathered (the C kernel reads
+    in place): a 4k-token prefill 2.5 -> 1.4-1.7 s against gathering the selected blocks from a block-major copy
+    of the segment's K/V, or masking a dense SDPA, per chunk (configs/tiny, 2 threads)."""
     n, scale = int(q_pos[0, -1]) + 1, cfg.head_dim ** -0.5  # the chunk sees the segment's first n keys
-    visible = torch.arange(n, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, n]
+    first = int(q_pos[0, 0])  # (keys before the chunk's first query: visible to all of its queries)
+    visible = torch.arange(first, n, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, n - first]
     scores = block_scores(iq[None], ik[None, :n], visible, cfg.block_size)  # [1, n_kv, T, nb]
     blocks = select_blocks(scores, q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
                            cfg.local_blocks)[0].transpose(0, 1)  # [T, n_kv, K]
-    if pooled:
-        return sparse_attend(q, *kv, seg.slots[None].expand(q.shape[0], -1), blocks, q_pos[0], cfg.block_size, scale)
-    if n <= MASKED_MAX_FACTOR * cfg.topk_blocks * cfg.block_size:
-        k, v = (x.flatten(1, 2)[None, :, :n] for x in kv)
-        return masked_sparse_attend(q, k, v, blocks, q_pos[0], cfg.block_size, scale)
-    return block_sparse_attend(q, *kv, blocks, q_pos[0], scale)
-
-
-def block_sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tensor,
-                        scale: float) -> torch.Tensor:
-    """`sparse_attend` over one sequence's keys and values in contiguous block layout k, v [n_kv, nb, B, D]:
-    each query's selected blocks [T, n_kv, K] are gathered whole, and its G query heads attend to their K*B keys."""
-    t, (n_kv, nb, b, d) = q.shape[0], k.shape
-    rows = (blocks.clamp(min=0) + torch.arange(n_kv, device=q.device)[None, :, None] * nb).transpose(0, 1).flatten()
-    kk, vv = (x.view(n_kv * nb, b * d).index_select(0, rows).view(n_kv, t, -1, d) for x in (k, v))  # [n_kv,T,K*B,D]
-    pos, keep = block_keys(blocks, b)  # [T, n_kv, K*B]
-    keep &= pos <= q_pos[:, None, None]
-    o = F.scaled_dot_product_attention(q.view(t, n_kv, -1, d).transpose(0, 1), kk, vv,  # (kv head, query) batches
-                                       attn_mask=additive(keep.transpose(0, 1)[:, :, None], q.dtype), scale=scale)
-    return o.transpose(0, 1).reshape(t, -1)
-
-
-def masked_sparse_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tensor,
-                         block_size: int, scale: float) -> torch.Tensor:
-    """`sparse_attend` as dense attention of q [T, n_q, D] over one sequence's keys k, v [1, n_kv, N, D],
-    key j masked out unless its block is among blocks[t] [n_kv, K] and j <= q_pos[t]."""
-    t, n_kv, n = q.shape[0], k.shape[1], k.shape[2]
-    nb = -(-n // block_size)
-    keep = torch.zeros(t, n_kv, nb + 1, dtype=torch.bool, device=q.device)
-    keep.scatter_(-1, torch.where(blocks < 0, nb, blocks), True)  # unused slots land in a spare column
-    keep = keep[..., :nb].repeat_interleave(block_size, dim=-1)[..., :n]
-    keep &= torch.arange(n, device=q.device)[None, None, :] <= q_pos[:, None, None]  # [T, n_kv, N]
-    bias = additive(keep, q.dtype).transpose(0, 1).repeat_interleave(q.shape[1] // n_kv, dim=0)[None]  # [1,n_q,T,N]
-    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=bias, scale=scale, enable_gqa=True)
-    return o[0].transpose(0, 1).reshape(t, -1)
+    keys = seg.slots[None, :n].expand(q.shape[0], -1)
+    return sparse_attend(q, k_buf, v_buf, keys, blocks, q_pos[0], cfg.block_size, scale)

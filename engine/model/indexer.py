@@ -13,16 +13,18 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
     """s[r, h, t, b] = max over keys j of block b that query t may see of iq[r, t, h] . ik[r, j] (fp32, no
     scale); -inf for a block with no visible key (model.md §3.2).
 
-    iq [R, T, H, D_I] (normed, rotated), ik [R, N, D_I] (cached index keys), visible [R, T, N] bool
-    (causal, and False on padding keys) -> [R, H, T, ceil(N / block_size)].
+    iq [R, T, H, D_I] (normed, rotated), ik [R, N, D_I] (cached index keys), visible [R, T, V] bool for the last
+    V keys (causal, and False on padding keys); the first N - V keys are visible to every query (an extend
+    chunk's past: NOTE: masking only the chunk's own keys, a 4k prefill's block scores cost ~3x less)
+    -> [R, H, T, ceil(N / block_size)].
     """
     r, t, h, _ = iq.shape
-    n = ik.shape[1]
-    nb = -(-n // block_size)
-    scores = torch.matmul(iq.float().transpose(1, 2), ik.float().transpose(1, 2)[:, None])  # [R, H, T, N]
-    scores = scores.masked_fill_(~visible[:, None], NEG_INF)
-    scores = F.pad(scores, (0, nb * block_size - n), value=NEG_INF)
-    return scores.view(r, h, t, nb, block_size).amax(dim=-1)
+    n, pad = ik.shape[1], -ik.shape[1] % block_size
+    ik = F.pad(ik.float(), (0, 0, 0, pad))  # (zero keys past the end, masked below: no pad of the scores)
+    hidden = ~F.pad(visible, (0, pad), value=False)  # [R, T, V + pad]
+    scores = torch.matmul(iq.float().transpose(1, 2), ik.transpose(1, 2)[:, None])  # [R, H, T, N + pad]
+    scores[..., n - visible.shape[-1]:].masked_fill_(hidden[:, None], NEG_INF)
+    return scores.view(r, h, t, -1, block_size).amax(dim=-1)
 
 
 def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int,
