@@ -23,7 +23,10 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
     ik = F.pad(ik.float(), (0, 0, 0, pad))  # (zero keys past the end, masked below: no pad of the scores)
     hidden = ~F.pad(visible, (0, pad), value=False)  # [R, T, V + pad]
     scores = torch.matmul(iq.float().transpose(1, 2), ik.transpose(1, 2)[:, None])  # [R, H, T, N + pad]
-    scores[..., n - visible.shape[-1]:].masked_fill_(hidden[:, None], NEG_INF)
+    if visible.shape[-1] == n:  # (decode: a mask for every key; no in-place write to a slice, cheaper to trace)
+        scores = scores.masked_fill(hidden[:, None], NEG_INF)
+    else:
+        scores[..., n - visible.shape[-1]:].masked_fill_(hidden[:, None], NEG_INF)
     return scores.view(r, h, t, -1, block_size).amax(dim=-1)
 
 
