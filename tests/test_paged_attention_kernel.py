@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels.paged_attention import gather_sdpa, in_place, kernel
+from engine.kernels.paged_attention import block_rows, gather_sdpa, in_place, kernel, paged_block_attention
 
 
 def reference(q, k_buf, v_buf, rows, keep, scale):
@@ -40,13 +40,35 @@ def test_the_kernel_builds_here():
 @pytest.mark.parametrize("path", ["kernel", "gather_sdpa"])
 def test_paged_attention_matches_a_written_out_softmax(shape, path):
     args = case(*shape, seed=sum(shape))
-    got = in_place(kernel(), *args) if path == "kernel" else gather_sdpa(*args)
+    got = in_place(kernel().paged_decode_attention, *args) if path == "kernel" else gather_sdpa(*args)
     torch.testing.assert_close(got, reference(*args), rtol=1e-5, atol=1e-5)
 
 
 def test_the_kernel_gives_zeros_to_a_query_with_no_kept_key():
     q, k_buf, v_buf, rows, keep, scale = case(2, 2, 4, 32, 100, 2, seed=1)
     keep[1, 0] = False
-    got = in_place(kernel(), q, k_buf, v_buf, rows, keep, scale)
+    got = in_place(kernel().paged_decode_attention, q, k_buf, v_buf, rows, keep, scale)
     assert torch.equal(got[1, 0], torch.zeros_like(got[1, 0]))
     torch.testing.assert_close(got[0], reference(q, k_buf, v_buf, rows, keep, scale)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows,heads,group,dim,topk,block,keys,shared", [
+    (5, 2, 4, 32, 4, 16, 200, False), (7, 2, 3, 24, 3, 8, 90, True), (1, 1, 2, 32, 4, 64, 320, False)])
+def test_block_attention_matches_the_same_keys_listed(rows, heads, group, dim, topk, block, keys, shared):
+    """paged_block_attention (the C kernel walks the selected blocks) against paged attention over the rows
+    and mask `block_rows` lists for the same blocks, and that against the float64 softmax."""
+    g = torch.Generator().manual_seed(rows)
+    k_buf, v_buf = torch.randn(500, heads, dim, generator=g), torch.randn(500, heads, dim, generator=g)
+    q = torch.randn(rows, heads, group, dim, generator=g)
+    key_slots = torch.randint(0, 500, (1 if shared else rows, keys), generator=g).expand(rows, -1)
+    q_pos = torch.randint(block, keys, (rows,), generator=g)
+    blocks = torch.stack([torch.stack([torch.randperm(keys // block, generator=g)[:topk] for _ in range(heads)])
+                          for _ in range(rows)])
+    blocks[..., -1] = torch.div(q_pos, block, rounding_mode="floor")[:, None]  # (the query's own block)
+    blocks[0, 0, 0] = -1  # an unused slot
+    got = paged_block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block, dim ** -0.5)
+    listed, keep = block_rows(key_slots, blocks, q_pos, block)
+    want = reference(q, k_buf, v_buf, listed, keep[:, :, None], dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gather_sdpa(q, k_buf, v_buf, listed, keep[:, :, None], dim ** -0.5), want,
+                               rtol=1e-5, atol=1e-5)

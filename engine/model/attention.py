@@ -8,10 +8,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_attention import paged_attention
+from engine.kernels.paged_attention import block_rows, paged_attention, paged_block_attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
-from engine.model.indexer import NEG_INF, block_keys, block_scores, select_blocks
+from engine.model.indexer import NEG_INF, block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
@@ -84,15 +84,14 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
 def sparse_attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
                   blocks: torch.Tensor, q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """Query r [R, n_q, D] at position q_pos[r] attends only to the keys of its selected blocks
-    blocks[r] [n_kv, K] (model.md §3.4): K*B keys per query and KV head are gathered, whatever the
-    context length. key_slots [R, N]: each query's key slots (rows of one sequence may share one)."""
-    rows, n, n_kv = q.shape[0], key_slots.shape[1], k_buf.shape[1]
-    pos, keep = block_keys(blocks, block_size)  # [R, n_kv, K*B]
-    keep &= pos <= q_pos[:, None, None]
-    slots = key_slots.gather(1, pos.clamp(max=n - 1).flatten(1)).view(pos.shape)
-    head = torch.arange(n_kv, device=q.device)[None, :, None]
-    o = attend(q.view(rows, n_kv, -1, q.shape[-1]), k_buf, v_buf, slots * n_kv + head, keep[:, :, None], scale)
-    return o.reshape(rows, -1)
+    blocks[r] [n_kv, K] (model.md §3.4): K*B keys per query and KV head, whatever the context length.
+    key_slots [R, N]: each query's key slots (rows of one sequence may share one)."""
+    rows, n_kv = q.shape[0], k_buf.shape[1]
+    qh = q.view(rows, n_kv, -1, q.shape[-1])
+    if rows > 1 or not torch.compiler.is_compiling():
+        return paged_block_attention(qh, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale).reshape(rows, -1)
+    keys, keep = block_rows(key_slots, blocks, q_pos, block_size)  # (one row in a compiled graph: see `attend`)
+    return attend(qh, k_buf, v_buf, keys, keep[:, :, None], scale).reshape(rows, -1)
 
 
 # ---- extend: one request's chunk of queries --------------------------------------------------------------

@@ -49,11 +49,3 @@ def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, top
     count = torch.clamp(visible, max=topk)  # |S| = min(K, V_t), [R, T, 1]
     unused = torch.arange(topk, device=block.device)[None, None, :] >= count
     return order.masked_fill(unused[:, None], -1)
-
-
-def block_keys(blocks: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The key positions of the selected blocks [..., K] -> positions [..., K*B] and whether each is in a
-    selected block (unused slots, -1, give False)."""
-    offs = torch.arange(block_size, device=blocks.device)
-    pos = (blocks.clamp(min=0)[..., None] * block_size + offs).flatten(-2)
-    return pos, (blocks >= 0).repeat_interleave(block_size, dim=-1)
