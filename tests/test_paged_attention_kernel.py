@@ -72,3 +72,10 @@ def test_block_attention_matches_the_same_keys_listed(rows, heads, group, dim, t
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(gather_sdpa(q, k_buf, v_buf, listed, keep[:, :, None], dim ** -0.5), want,
                                rtol=1e-5, atol=1e-5)
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    """The library must not switch the process to flush-to-zero (gcc's crtfastmath.o does, if linked)."""
+    assert kernel() is not None
+    tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 subnormal
+    assert (tiny * 1.0).item() != 0.0 and (tiny + tiny).item() > tiny.item()

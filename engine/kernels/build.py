@@ -17,8 +17,11 @@ import tempfile
 from pathlib import Path
 
 # NOTE: -ffast-math lets gcc vectorize the exp and the dot products (libmvec); -march=native ties the
-# library to this CPU, as inductor's own cache is.
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC")
+# library to this CPU, as inductor's own cache is. It is given to the compile only: at the link, gcc (before
+# 13) would add crtfastmath.o, whose constructor turns on flush-to-zero for the whole process when the library
+# loads (subnormal floats then read as 0 in torch too).
+FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
+LINK = ("-shared", "-fopenmp")
 LIBS = ("-lmvec", "-lm")
 
 
@@ -32,11 +35,14 @@ def load(source: Path) -> ctypes.CDLL:
     """The library built from `source` (built now if this machine has not yet); raises OSError or
     subprocess.CalledProcessError if it cannot be built or loaded."""
     cc = os.environ.get("CC", "gcc")
-    key = hashlib.sha256("\0".join((source.read_text(), cc, *FLAGS, *LIBS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join((source.read_text(), cc, *FLAGS, *LINK, *LIBS)).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # (built apart, then renamed: processes may race)
-        subprocess.run([cc, *FLAGS, "-o", str(tmp), str(source), *LIBS], check=True, capture_output=True, text=True)
+        obj = tmp.with_suffix(".o")
+        subprocess.run([cc, *FLAGS, "-c", "-o", str(obj), str(source)], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *LINK, "-o", str(tmp), str(obj), *LIBS], check=True, capture_output=True, text=True)
+        obj.unlink()
         os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))

@@ -1,9 +1,10 @@
-/* Decode attention read in place from a paged KV pool (float32, CPU); see paged_attention.py.
+/* Attention read in place from a paged KV pool (float32, CPU); see paged_attention.py.
  *
- * For every (row b, KV head h): the G query heads q[b, h] attend to the keys whose keep flag is set, key n
- * being row rows[b, h, n] of the k and v buffers (each row D floats). Keys are taken in tiles of TILE: scores
- * of the kept ones, then an online-softmax update (running max and sum per query head), so no gathered copy
- * of K or V is ever made and any key count fits. A query head with no kept key gets zeros.
+ * For every (row b, KV head h): the G query heads q[b, h] attend to its keys, each a row of the k and v
+ * buffers (D floats): the rows listed in rows[b, h] whose keep flag is set (paged_decode_attention), or the
+ * keys of the selected blocks up to the query's position (paged_block_attention). Keys are taken in tiles of
+ * TILE: scores of the kept ones, then an online-softmax update (running max and sum per query head), so no
+ * gathered copy of K or V is ever made and any key count fits. A query head with no kept key gets zeros.
  * Built with -ffast-math (vectorized exp): no infinity is used, masked keys are skipped instead.
  */
 #include <math.h>
