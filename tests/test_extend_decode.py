@@ -98,4 +98,3 @@ def test_sparse_attention_equals_masked_dense_reference():
         s = (q.view(t, n_kv, group, d)[:, h] @ k[:, h].T) * d ** -0.5  # [T, G, N]
         want = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), -1) @ v[:, h]
         assert (got[:, h] - want).abs().max().item() < 1e-5
-

@@ -114,6 +114,7 @@ def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     q, blocks, q_pos = q.contiguous(), blocks.contiguous(), q_pos.contiguous()
     b, h, g, d = q.shape
     assert blocks.shape[:2] == (b, h) and key_slots.shape[0] == b and key_slots.stride(1) == 1
+    assert key_slots.dtype == blocks.dtype == q_pos.dtype == torch.int64  # (the kernel reads them as int64_t)
     assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[-1] == d
     out = torch.empty_like(q)
     lib.paged_block_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), key_slots.data_ptr(),
