@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from engine.kernels.moe_experts import on_kernel
 from engine.model.config_json import load_config
 from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from tests.engine_utils import TINY
@@ -70,20 +71,23 @@ def _moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("forced", [None, [0, 2, 4], [0, 1, 5], [7, 3, 1]])
 def test_moe_forms_match_reference(forced):
-    """The eager form (tokens grouped by expert) and both static forms of the decode graphs (one
-    token through its gathered experts, several through every expert) against float64."""
+    """Every form of the routed experts against float64: the C kernel (what MoE runs on CPU float32, eager
+    and in the batched graphs), tokens grouped by expert in PyTorch (eager elsewhere), and both static forms
+    of the compiled graphs (one token through its gathered experts, several through every expert). 40 tokens
+    steered to 3 experts give each expert more pairs than one of the kernel's work items holds."""
     moe = _moe(top_k=3, seed=len(forced or []))
     if forced is not None:  # steer every token to these experts
         with torch.no_grad():
             moe.router_bias.zero_()
             moe.router_bias[forced] = 100.0
     g = torch.Generator().manual_seed(1)
+    assert on_kernel(torch.empty(1), moe.w13, moe.w2)  # (so moe(x) below is the kernel)
     with torch.inference_mode():
-        for tokens in (1, 16):
+        for tokens in (1, 16, 40):
             x = torch.randn(tokens, 256, generator=g)
             want = _moe_reference(moe, x)
             ids, w = moe.route(x)
             shared = moe.shared(x)
             static = moe._gathered(x, ids, w) if tokens == 1 else moe._dense(x, ids, w)
-            for got in (moe(x), static * moe.scale + shared):
+            for got in (moe(x), moe._grouped(x, ids, w) * moe.scale + shared, static * moe.scale + shared):
                 assert (got.double() - want).abs().max().item() < 1e-4

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels.moe_experts import moe_experts, on_kernel
 from engine.model.config import ModelConfig
 
 
@@ -93,17 +94,21 @@ class MoE(nn.Module):
         return ids, w / w.sum(dim=-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """MoE(x). Eager: tokens grouped by expert (a host sync for the group sizes). Compiled (decode
-        graphs), with no data-dependent shape: one token through its k gathered experts, several
-        through every expert (each expert's weights read once; the E/k times more work than routing
-        needs is the price of no host sync)."""
+        """MoE(x). On CPU in float32: the C kernel, which groups the tokens by expert itself (no host sync),
+        eager and compiled alike, except one token in a compiled graph (its k experts gathered, fused by
+        inductor). Elsewhere: tokens grouped by expert eager (a host sync for the group sizes), and every token
+        through every expert compiled (each expert's weights read once; the E/k times more work than routing
+        needs is the price of no host sync in a CUDA graph).
+        NOTE: configs/tiny layer, 2 threads, kernel vs grouped vs dense: 32 tokens 0.33 / 0.58 / 0.90 ms,
+        64 tokens 0.51 / 0.80 / 1.54 ms, 2048 tokens 12.9 / 14.1 / 86 ms."""
         ids, w = self.route(x)
-        if not torch.compiler.is_compiling():
-            routed = self._grouped(x, ids, w)
-        elif x.shape[0] == 1:
+        compiling = torch.compiler.is_compiling()
+        if compiling and x.shape[0] == 1:
             routed = self._gathered(x, ids, w)
+        elif on_kernel(x, self.w13, self.w2):
+            routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         else:
-            routed = self._dense(x, ids, w)
+            routed = self._dense(x, ids, w) if compiling else self._grouped(x, ids, w)
         out = routed * self.scale
         return out if self.shared is None else out + self.shared(x)
 

@@ -1,0 +1,64 @@
+"""`minimax::moe_experts`: an MoE layer's routed experts, each expert's weights read for its own tokens only.
+
+CPU and float32 only (`on_kernel` says whether it runs here): moe_experts.c groups the tokens by expert inside
+the kernel, so there is no host sync and a compiled graph calls it as it is. Elsewhere MoE.forward keeps its
+PyTorch forms.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from pathlib import Path
+
+import torch
+
+from engine.kernels import build
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
+def kernel() -> ctypes.CDLL | None:
+    try:
+        lib = build.load(Path(__file__).with_suffix(".c"))
+    except Exception as e:  # (no compiler, or a failed build: MoE.forward's PyTorch forms still work)
+        logger.warning("moe experts: the C kernel is unavailable (%s); MoE layers group tokens in PyTorch instead", e)
+        return None
+    lib.moe_experts.restype = None
+    lib.moe_experts.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
+    return lib
+
+
+def on_kernel(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `moe_experts` can run here: CPU, float32, hidden and intermediate sizes multiples of 16 (the
+    kernel's vector width), a compiler at hand."""
+    return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, w13, w2))
+            and w2.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0 and built())
+
+
+@torch.compiler.assume_constant_result  # (a compiled graph asks too: a constant there, nothing traced)
+def built() -> bool:
+    return kernel() is not None
+
+
+@torch.library.custom_op("minimax::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                alpha: float, limit: float) -> torch.Tensor:
+    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: x [T, H], ids and w [T, k], w13
+    [E, 2I, H] (gate rows first), w2 [E, H, I]. An opaque op: a compiled graph calls it as it is."""
+    assert on_kernel(x, w13, w2), "moe_experts runs on CPU float32 with the C kernel built (see on_kernel)"
+    x, ids, w = x.contiguous(), ids.contiguous(), w.to(torch.float32).contiguous()
+    assert ids.dtype == torch.int64 and w13.is_contiguous() and w2.is_contiguous()
+    (t, k), (e, i2, h) = ids.shape, w13.shape
+    pairs, out = torch.empty(t * k, h), torch.empty(t, h)
+    kernel().moe_experts(x.data_ptr(), ids.data_ptr(), w.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                         pairs.data_ptr(), out.data_ptr(), t, k, e, h, i2 // 2, alpha, limit)
+    return out
+
+
+@moe_experts.register_fake
+def _(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, alpha: float,
+      limit: float) -> torch.Tensor:
+    return torch.empty_like(x)
