@@ -9,8 +9,16 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #define TILE 64
+typedef float vec __attribute__((vector_size(64))); /* 16 floats: one AVX-512 register (gcc splits it elsewhere) */
+
+static inline vec load(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
 #define LOWEST (-3.0e38f)
 
 /* One (row b, KV head h). `dim` is a constant where the caller's switch inlines it: the dot products and
@@ -66,12 +74,28 @@ static inline __attribute__((always_inline)) void attend_one(
                 sum[g] += p;
             }
         }
-        for (int64_t j = 0; j < cnt; j++) {
-            const float *vr = v + idx[j] * dim;
+        /* NOTE: query head outer, its accumulator in registers over the tile: the whole kernel 1.06-1.14x
+         * against key outer (8 and 64 rows x 2 KV heads x 150 keys, 256 rows of one sequence x 256 keys;
+         * interleaved A/B, 2 threads) */
+        if (dim % 16 == 0 && dim <= 128) {
             for (int64_t g = 0; g < group; g++) {
-                float p = s[g * TILE + j];
-                float *a = acc + g * dim;
-                for (int64_t d = 0; d < dim; d++) a[d] += p * vr[d];
+                vec a[8];
+                for (int64_t d = 0; d < dim / 16; d++) a[d] = load(acc + g * dim + 16 * d);
+                for (int64_t j = 0; j < cnt; j++) {
+                    const float *vr = v + idx[j] * dim;
+                    float p = s[g * TILE + j];
+                    for (int64_t d = 0; d < dim / 16; d++) a[d] += p * load(vr + 16 * d);
+                }
+                memcpy(acc + g * dim, a, sizeof(float) * dim);
+            }
+        } else {
+            for (int64_t j = 0; j < cnt; j++) {
+                const float *vr = v + idx[j] * dim;
+                for (int64_t g = 0; g < group; g++) {
+                    float p = s[g * TILE + j];
+                    float *a = acc + g * dim;
+                    for (int64_t d = 0; d < dim; d++) a[d] += p * vr[d];
+                }
             }
         }
     }
