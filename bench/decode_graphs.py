@@ -5,7 +5,7 @@
   captured engine, and transformers `generate`; interleaved runs, medians. Roofline: the measured read
   bandwidth of a buffer the size of the weights one token reads, and the copy bandwidth.
 - Batched decode steps at 1, 8, 32 and 64 rows (configs/tiny, `engine.step()` of a full decode batch,
-  sampler and scheduler included): eager against captured.
+  sampler and scheduler included): eager against captured, their steps interleaved.
 - Startup: `python -m server` until /health is 200, with an empty inductor cache (cold) and again
   with the cache it left (warm).
 
@@ -77,22 +77,27 @@ def batch1(copy_dir: Path) -> dict:
             "fraction_of_copy_roofline": (b["total"] / copy_bw) * 1000 / ms["captured"]}
 
 
-def step_ms(engine, rows: int, steps: int = 16) -> float:
-    """Median time of a decode step with `rows` running requests (prompts of PROMPT tokens)."""
+def step_ms(engines: tuple, rows: int, steps: int = 32) -> list[float]:
+    """Median time of a decode step with `rows` running requests (prompts of PROMPT tokens), for each engine.
+    The engines' steps are interleaved (one step of each in turn), so that all of them see the same machine:
+    this one's speed swings by tens of percent within a minute."""
     params = SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True)
-    engine.add_requests([NewRequest([5 + (r + j) % 4000 for j in range(PROMPT)], params) for r in range(rows)])
-    decoding: set[str] = set()
-    while len(decoding) < rows:  # until every request has its first token (prefill done)
-        decoding |= {o.rid for o in engine.step() if o.new_ids}
-    engine.step()  # the first all-decode step (a new key bucket may be compiled here)
-    times = []
+    for engine in engines:
+        engine.add_requests([NewRequest([5 + (r + j) % 4000 for j in range(PROMPT)], params) for r in range(rows)])
+        decoding: set[str] = set()
+        while len(decoding) < rows:  # until every request has its first token (prefill done)
+            decoding |= {o.rid for o in engine.step() if o.new_ids}
+        engine.step()  # the first all-decode step (a new key bucket may be compiled here)
+    times: list[list[float]] = [[] for _ in engines]
     for _ in range(steps):
-        t = time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - t)
-    while engine.has_work():
-        engine.step()
-    return 1000 * statistics.median(times)
+        for engine, ts in zip(engines, times):
+            t = time.perf_counter()
+            engine.step()
+            ts.append(time.perf_counter() - t)
+    for engine in engines:
+        while engine.has_work():
+            engine.step()
+    return [1000 * statistics.median(ts) for ts in times]
 
 
 def batched() -> dict:
@@ -100,7 +105,7 @@ def batched() -> dict:
     graphs = make_engine(TINY, disable_radix_cache=True)
     out = {}
     for rows in (1, 8, 32, 64):
-        e, g = step_ms(eager, rows), step_ms(graphs, rows)
+        e, g = step_ms((eager, graphs), rows)
         out[rows] = {"eager_ms": e, "captured_ms": g, "speedup": e / g}
         print(f"decode step at {rows} rows: eager {e:.1f} ms, captured {g:.1f} ms ({e / g:.2f}x)", flush=True)
     return out
