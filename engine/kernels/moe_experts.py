@@ -52,7 +52,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.
     x, ids, w = x.contiguous(), ids.contiguous(), w.to(torch.float32).contiguous()
     assert ids.dtype == torch.int64 and w13.is_contiguous() and w2.is_contiguous()
     (t, k), (e, i2, h) = ids.shape, w13.shape
-    pairs, out = torch.empty(t * k, h), torch.empty(t, h)
+    pairs, out = torch.empty(t * k, h, dtype=torch.float32), torch.empty(t, h, dtype=torch.float32)
     kernel().moe_experts(x.data_ptr(), ids.data_ptr(), w.data_ptr(), w13.data_ptr(), w2.data_ptr(),
                          pairs.data_ptr(), out.data_ptr(), t, k, e, h, i2 // 2, alpha, limit)
     return out

@@ -12,6 +12,7 @@
 #include <string.h>
 
 #define TILE 64
+#define LOWEST (-3.0e38f)
 typedef float vec __attribute__((vector_size(64))); /* 16 floats: one AVX-512 register (gcc splits it elsewhere) */
 
 static inline vec load(const float *p) {
@@ -19,7 +20,6 @@ static inline vec load(const float *p) {
     memcpy(&v, p, sizeof v);
     return v;
 }
-#define LOWEST (-3.0e38f)
 
 /* One (row b, KV head h). `dim` is a constant where the caller's switch inlines it: the dot products and
  * the accumulations then unroll (measured: 1.2-1.6x faster than a run-time loop bound at D = 32). */
