@@ -3,9 +3,12 @@ float64 softmax written out over the gathered keys."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
+from engine.kernels import build, paged_attention
 from engine.kernels.paged_attention import block_rows, gather_sdpa, in_place, kernel, paged_block_attention
 
 
@@ -79,3 +82,13 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     assert kernel() is not None
     tiny = torch.tensor([1e-40], dtype=torch.float32)  # a float32 subnormal
     assert (tiny * 1.0).item() != 0.0 and (tiny + tiny).item() > tiny.item()
+
+
+def test_a_kernel_that_cannot_be_built_is_reported_not_raised(monkeypatch, tmp_path, caplog):
+    """No compiler: the kernel is None (the ops' PyTorch paths run) and a warning names what runs instead."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # (an empty cache: a build is attempted)
+    source = Path(paged_attention.__file__).with_suffix(".c")
+    with caplog.at_level("WARNING"):
+        assert build.load_or_warn(source, "the fallback runs") is None
+    assert "paged_attention.c: the C kernel is unavailable" in caplog.text and "the fallback runs" in caplog.text

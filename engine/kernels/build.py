@@ -11,10 +11,13 @@ from __future__ import annotations
 import ctypes
 import getpass
 import hashlib
+import logging
 import os
 import subprocess
 import tempfile
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 # NOTE: -ffast-math lets gcc vectorize the exp and the dot products (libmvec); -march=native ties the
 # library to this CPU, as inductor's own cache is. It is given to the compile only: at the link, gcc (before
@@ -46,3 +49,13 @@ def load(source: Path) -> ctypes.CDLL:
         obj.unlink()
         os.replace(tmp, lib)
     return ctypes.CDLL(str(lib))
+
+
+def load_or_warn(source: Path, instead: str) -> ctypes.CDLL | None:
+    """`load(source)`, or None, with a warning saying what runs `instead`, where it cannot be built (no
+    compiler, or a failed build)."""
+    try:
+        return load(source)
+    except Exception as e:
+        logger.warning("%s: the C kernel is unavailable (%s); %s", source.name, e, instead)
+        return None

@@ -9,22 +9,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
 
 from engine.kernels import build
 
-logger = logging.getLogger(__name__)
-
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    try:
-        lib = build.load(Path(__file__).with_suffix(".c"))
-    except Exception as e:  # (no compiler, or a failed build: MoE.forward's PyTorch forms still work)
-        logger.warning("moe experts: the C kernel is unavailable (%s); MoE layers group tokens in PyTorch instead", e)
+    lib = build.load_or_warn(Path(__file__).with_suffix(".c"), "MoE layers keep their PyTorch forms")
+    if lib is None:
         return None
     lib.moe_experts.restype = None
     lib.moe_experts.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2

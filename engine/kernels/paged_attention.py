@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
 from pathlib import Path
 
 import torch
@@ -19,16 +18,13 @@ import torch.nn.functional as F
 
 from engine.kernels import build
 
-logger = logging.getLogger(__name__)
 NEG_INF = float("-inf")
 
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    try:
-        lib = build.load(Path(__file__).with_suffix(".c"))
-    except Exception as e:  # (no compiler, or a failed build: the gather and SDPA still work)
-        logger.warning("paged attention: the C kernel is unavailable (%s); gathering and calling SDPA instead", e)
+    lib = build.load_or_warn(Path(__file__).with_suffix(".c"), "gathering and calling SDPA instead")
+    if lib is None:
         return None
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.paged_decode_attention.restype = lib.paged_block_attention.restype = None
