@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from engine.kernels import build, moe_experts
 from engine.kernels.moe_experts import on_kernel
 from engine.model.config_json import load_config
 from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
@@ -91,3 +92,18 @@ def test_moe_forms_match_reference(forced):
             static = moe._gathered(x, ids, w) if tokens == 1 else moe._dense(x, ids, w)
             for got in (moe(x), moe._grouped(x, ids, w) * moe.scale + shared, static * moe.scale + shared):
                 assert (got.double() - want).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_the_moe_kernel_at_both_vector_widths_matches_reference(lanes):
+    """moe_experts.c as built for AVX2 (8 lanes, 8 weight rows a pass) and for AVX-512 (16), whichever this
+    CPU has, against float64 (its lane sums are written per width)."""
+    lib = moe_experts.bind(build.load(moe_experts.SOURCE, (f"-DLANES={lanes}",)))
+    moe = _moe(top_k=2, seed=lanes)
+    g = torch.Generator().manual_seed(lanes)
+    with torch.inference_mode():
+        for tokens in (1, 40):
+            x = torch.randn(tokens, 256, generator=g)
+            ids, w = moe.route(x)
+            got = moe_experts.run(lib, x, ids, w, moe.w13, moe.w2, moe.alpha, moe.limit) * moe.scale + moe.shared(x)
+            assert (got.double() - _moe_reference(moe, x)).abs().max().item() < 1e-4

@@ -47,6 +47,16 @@ def test_paged_attention_matches_a_written_out_softmax(shape, path):
     torch.testing.assert_close(got, reference(*args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lanes", [8, 16])
+def test_both_vector_widths_match_a_written_out_softmax(lanes):
+    """The kernel as built for AVX2 (8 lanes) and for AVX-512 (16 lanes), whichever this CPU has: head
+    sizes that take the vector accumulators at one width, or both, or neither."""
+    lib = paged_attention.bind(build.load(paged_attention.SOURCE, (f"-DLANES={lanes}",)))
+    for shape in SHAPES + [(2, 2, 4, 64, 90, 1), (2, 1, 2, 128, 70, 1)]:
+        args = case(*shape, seed=sum(shape))
+        torch.testing.assert_close(in_place(lib.paged_decode_attention, *args), reference(*args), rtol=1e-5, atol=1e-5)
+
+
 def test_the_kernel_gives_zeros_to_a_query_with_no_kept_key():
     q, k_buf, v_buf, rows, keep, scale = case(2, 2, 4, 32, 100, 2, seed=1)
     keep[1, 0] = False

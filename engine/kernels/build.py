@@ -34,17 +34,18 @@ def cache_dir() -> Path:
     return Path(root) / "minimax_kernels"
 
 
-def load(source: Path) -> ctypes.CDLL:
-    """The library built from `source` (built now if this machine has not yet); raises OSError or
+def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """The library built from `source` (built now if this machine has not yet), with extra `defines`
+    ("-DNAME=value": a test builds the vector width this CPU would not choose); raises OSError or
     subprocess.CalledProcessError if it cannot be built or loaded."""
-    cc = os.environ.get("CC", "gcc")
-    key = hashlib.sha256("\0".join((source.read_text(), cc, *FLAGS, *LINK, *LIBS)).encode()).hexdigest()[:16]
+    cc, flags = os.environ.get("CC", "gcc"), FLAGS + defines
+    key = hashlib.sha256("\0".join((source.read_text(), cc, *flags, *LINK, *LIBS)).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # (built apart, then renamed: processes may race)
         obj = tmp.with_suffix(".o")
-        subprocess.run([cc, *FLAGS, "-c", "-o", str(obj), str(source)], check=True, capture_output=True, text=True)
+        subprocess.run([cc, *flags, "-c", "-o", str(obj), str(source)], check=True, capture_output=True, text=True)
         subprocess.run([cc, *LINK, "-o", str(tmp), str(obj), *LIBS], check=True, capture_output=True, text=True)
         obj.unlink()
         os.replace(tmp, lib)

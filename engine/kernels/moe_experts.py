@@ -15,12 +15,17 @@ import torch
 
 from engine.kernels import build
 
+SOURCE = Path(__file__).with_suffix(".c")
+
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    lib = build.load_or_warn(Path(__file__).with_suffix(".c"), "MoE layers keep their PyTorch forms")
-    if lib is None:
-        return None
+    lib = build.load_or_warn(SOURCE, "MoE layers keep their PyTorch forms")
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (moe_experts.c, built) with its function's argument types set."""
     lib.moe_experts.restype = None
     lib.moe_experts.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
     return lib
@@ -44,12 +49,18 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: x [T, H], ids and w [T, k], w13
     [E, 2I, H] (gate rows first), w2 [E, H, I]. An opaque op: a compiled graph calls it as it is."""
     assert on_kernel(x, w13, w2), "moe_experts runs on CPU float32 with the C kernel built (see on_kernel)"
+    return run(kernel(), x, ids, w, w13, w2, alpha, limit)
+
+
+def run(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+        alpha: float, limit: float) -> torch.Tensor:
+    """`moe_experts` through the library `lib` (CPU, float32, sizes checked by the caller)."""
     x, ids, w = x.contiguous(), ids.contiguous(), w.to(torch.float32).contiguous()
     assert ids.dtype == torch.int64 and w13.is_contiguous() and w2.is_contiguous()
     (t, k), (e, i2, h) = ids.shape, w13.shape
     pairs, out = torch.empty(t * k, h, dtype=torch.float32), torch.empty(t, h, dtype=torch.float32)
-    kernel().moe_experts(x.data_ptr(), ids.data_ptr(), w.data_ptr(), w13.data_ptr(), w2.data_ptr(),
-                         pairs.data_ptr(), out.data_ptr(), t, k, e, h, i2 // 2, alpha, limit)
+    lib.moe_experts(x.data_ptr(), ids.data_ptr(), w.data_ptr(), w13.data_ptr(), w2.data_ptr(),
+                    pairs.data_ptr(), out.data_ptr(), t, k, e, h, i2 // 2, alpha, limit)
     return out
 
 

@@ -19,13 +19,17 @@ import torch.nn.functional as F
 from engine.kernels import build
 
 NEG_INF = float("-inf")
+SOURCE = Path(__file__).with_suffix(".c")
 
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    lib = build.load_or_warn(Path(__file__).with_suffix(".c"), "gathering and calling SDPA instead")
-    if lib is None:
-        return None
+    lib = build.load_or_warn(SOURCE, "gathering and calling SDPA instead")
+    return None if lib is None else bind(lib)
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """`lib` (paged_attention.c, built) with its functions' argument types set."""
     p, i = ctypes.c_void_p, ctypes.c_int64
     lib.paged_decode_attention.restype = lib.paged_block_attention.restype = None
     lib.paged_decode_attention.argtypes = [p] * 6 + [i] * 6 + [ctypes.c_float]
