@@ -24,7 +24,7 @@ import torch
 
 from bench.hf_copy import write_hf_copy
 from bench.hf_gen import generate_timed
-from bench.machine import measure_bandwidth
+from bench.machine import code_version, machine_info, measure_bandwidth
 from bench.models import load_transformers
 from bench.ours import make_engine, timed_generate
 from bench.roofline import decode_bytes_per_token
@@ -123,7 +123,7 @@ def startup(cache: Path) -> float:
 
 def main() -> int:
     torch.set_num_threads(2)
-    res: dict = {}
+    res: dict = {"machine": machine_info(measure_bandwidth()), "code": code_version(ROOT)}
     with tempfile.TemporaryDirectory() as d:
         write_hf_copy(load_model(TINY), Path(d), TINY)
         res["batch1"] = batch1(Path(d))

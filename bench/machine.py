@@ -67,6 +67,7 @@ def machine_info(bw: Bandwidth) -> dict:
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": _cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # (AVX2 or AVX512: the kernels' vector width)
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),

@@ -24,6 +24,7 @@ import torch
 
 from engine.model.forward_batch import DecodeBatch
 from engine.runtime.engine_args import EngineArgs
+from engine.runtime.graph_passes import MatVecAsReduction
 
 logger = logging.getLogger(__name__)
 
@@ -59,13 +60,14 @@ class DecodeGraphs:
             cudagraphs = options(**{"triton.cudagraphs": True})  # (mode="reduce-overhead", with the guard filter)
             self._one = self._many = torch.compile(_own_frame(step), fullgraph=True, options=cudagraphs)
             return
-        # NOTE: two frames, two graphs: batch 1 (static) with the C++ wrapper, which saves the Python
-        # launch overhead of ~150 kernel calls (measured 4.4 -> 3.1 ms a step), and every other bucket
-        # (batch dynamic) without it: its kernels run long enough, and it compiles ~20 s faster. The C++
+        # NOTE: two frames, two graphs: batch 1 (static; its matrix-vector products as inductor's own sums, see
+        # graph_passes) with the C++ wrapper, which saves the Python launch overhead of ~150 kernel calls
+        # (measured 4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its kernels run long enough, and it compiles ~20 s faster. The C++
         # wrapper is built apart from its kernels (the wrapper at -O1): its cold compile 80 -> 71 s, the step
         # no slower (2.1-2.5 ms either way, batch 1, 320 keys).
         self._one = torch.compile(_own_frame(step), fullgraph=True,
-                                  options=options(cpp_wrapper=True, cpp_wrapper_build_separate=True))
+                                  options=options(cpp_wrapper=True, cpp_wrapper_build_separate=True,
+                                                  post_grad_custom_post_pass=MatVecAsReduction()))
         self._many = torch.compile(_own_frame(step), fullgraph=True, options=options())
 
     def ready(self) -> tuple[int, ...]:
