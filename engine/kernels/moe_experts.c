@@ -62,6 +62,11 @@ static inline vec lane_sums(vec *a) {
 static void mat_pairs(const float *w, const float *in, float *out, int64_t m, int64_t rows, int64_t cols) {
     for (int64_t j = 0; j < rows; j += LANES) {
         const float *wj = w + j * cols;
+        /* NOTE: the next LANES rows asked for (a cache line each 16 floats) while these are multiplied: 1.15-1.18x
+         * at 32 and 64 tokens on an AVX2 machine, the weights of 6 layers cycled (out of cache), 2 threads; 2 or 4
+         * blocks ahead no better */
+        if (j + LANES < rows)
+            for (int64_t c = 0; c < LANES * cols; c += 16) __builtin_prefetch(wj + LANES * cols + c);
         for (int64_t p = 0; p < m; p++) {
             const float *x = in + p * cols;
             vec acc[LANES] = {{0}};
