@@ -1,7 +1,7 @@
 """Building a C kernel of this package into a shared library, once per machine, and loading it (ctypes).
 
 The library lands beside inductor's compile cache (`TORCHINDUCTOR_CACHE_DIR`, by default
-/tmp/torchinductor_<user>), under minimax_kernels/, named by a hash of its source and flags: clearing that
+/tmp/torchinductor_<user>), under minimax_kernels/, named by a hash of its source, the headers beside it and the flags: clearing that
 cache clears it too. Built with the compiler inductor uses on CPU (gcc, or $CC), with OpenMP: the library
 then shares the OpenMP runtime torch has loaded, so its threads are torch's (torch.set_num_threads holds).
 """
@@ -39,7 +39,8 @@ def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     ("-DNAME=value": a test builds the vector width this CPU would not choose); raises OSError or
     subprocess.CalledProcessError if it cannot be built or loaded."""
     cc, flags = os.environ.get("CC", "gcc"), FLAGS + defines
-    key = hashlib.sha256("\0".join((source.read_text(), cc, *flags, *LINK, *LIBS)).encode()).hexdigest()[:16]
+    texts = [f.read_text() for f in (source, *sorted(source.parent.glob("*.h")))]  # (the headers it may include)
+    key = hashlib.sha256("\0".join((*texts, cc, *flags, *LINK, *LIBS)).encode()).hexdigest()[:16]
     lib = cache_dir() / f"{source.stem}-{key}.so"
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)

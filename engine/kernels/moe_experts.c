@@ -14,25 +14,12 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define GROUP 16 /* pairs per work item */
-/* One vector register: 16 floats with AVX-512, else 8 (AVX2), and as many weight rows per pass, so that the
- * accumulators fill the register file without spilling. NOTE: on an AVX2 machine, 16-float vectors (lowered
- * through the stack) took a configs/tiny layer at 32 tokens 3.99 ms, against 0.44 ms with 8 (2 threads). */
-#ifndef LANES /* (a test builds the other width too) */
-#ifdef __AVX512F__
-#define LANES 16
-#else
-#define LANES 8
-#endif
-#endif
-typedef float vec __attribute__((vector_size(4 * LANES)));
-typedef int32_t ivec __attribute__((vector_size(4 * LANES)));
+#include "simd.h"
 
-static inline vec load(const float *p) {
-    vec v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
+#define GROUP 16 /* pairs per work item */
+/* LANES (simd.h) weight rows a pass, as many as a vector has lanes: the accumulators fill the register file
+ * without spilling. */
+typedef int32_t ivec __attribute__((vector_size(4 * LANES)));
 
 static inline vec add_halves(vec a, vec b, ivec lo, ivec hi) {
     return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
