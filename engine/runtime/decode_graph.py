@@ -62,9 +62,9 @@ class DecodeGraphs:
             return
         # NOTE: two frames, two graphs: batch 1 (static; its matrix-vector products as inductor's own sums, see
         # graph_passes) with the C++ wrapper, which saves the Python launch overhead of ~150 kernel calls
-        # (measured 4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its kernels run long enough, and it compiles ~20 s faster. The C++
-        # wrapper is built apart from its kernels (the wrapper at -O1): its cold compile 80 -> 71 s, the step
-        # no slower (2.1-2.5 ms either way, batch 1, 320 keys).
+        # (measured 4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its kernels run
+        # long enough, and it compiles ~20 s faster. The C++ wrapper is built apart from its kernels (the wrapper
+        # at -O1): its cold compile 80 -> 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
         self._one = torch.compile(_own_frame(step), fullgraph=True,
                                   options=options(cpp_wrapper=True, cpp_wrapper_build_separate=True,
                                                   post_grad_custom_post_pass=MatVecAsReduction()))
