@@ -2,8 +2,8 @@
 
 The library lands beside inductor's compile cache (`TORCHINDUCTOR_CACHE_DIR`, by default
 /tmp/torchinductor_<user>), under minimax_kernels/, named by a hash of its source, the headers beside it and
-the flags: clearing that cache clears it too. Built with the compiler inductor uses on CPU (gcc, or $CC), with OpenMP: the library
-then shares the OpenMP runtime torch has loaded, so its threads are torch's (torch.set_num_threads holds).
+the flags: clearing that cache clears it too. Built with the compiler inductor uses on CPU (gcc, or $CC), with
+OpenMP: the library then shares the OpenMP runtime torch has loaded, so its threads are torch's (torch.set_num_threads holds).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@
  * weights read for its own tokens only. The (token, choice) pairs are grouped by expert (a counting sort);
  * a work item is one expert and up to GROUP of its pairs. A matrix product takes the weights LANES rows at
  * a time (16 KB at H = 256 with AVX-512: they stay in L1 while every pair of the item reads them), LANES dot
- * products in LANES vector accumulators, summed across lanes at the end by a shuffle tree. Each item writes its pairs'
- * weighted outputs to their own rows of `pairs` [T * k, H]; a last pass sums a token's k rows. Nothing is
+ * products in LANES vector accumulators, summed across lanes at the end by a shuffle tree. Each item writes
+ * its pairs' weighted outputs to their own rows of `pairs` [T * k, H]; a last pass sums a token's k rows. Nothing is
  * shared between items, so no atomics. The hidden and intermediate sizes are multiples of 16 (moe_experts.py
  * checks).
  */

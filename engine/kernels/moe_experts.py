@@ -33,7 +33,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 def on_kernel(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `moe_experts` can run here: CPU, float32, hidden and intermediate sizes multiples of 16 (the
-    kernel's vector width), a compiler at hand."""
+    kernel's widest vector, AVX-512's), a compiler at hand."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, w13, w2))
             and w2.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0 and built())
 
