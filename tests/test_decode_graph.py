@@ -25,7 +25,7 @@ from hf_models import HF_CONFIGS, build_hf_model
 from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
-from engine.runtime.decode_graph import CacheMissWatch
+from engine.runtime.precompiled import store_path
 from engine.runtime.scheduler import ScheduledBatch
 from tests.forward_utils import PagedModel
 from tests.server_utils import start_server
@@ -81,22 +81,24 @@ def test_captured_decode_equals_eager(paged, rows):
         assert (captured - eager).abs().max().item() < 1e-5
         assert captured.argmax(-1).tolist() == eager.argmax(-1).tolist()
         last = eager.argmax(-1).tolist()
+    assert paged.runner.graphs.guard_misses() == 0  # (a refused batch runs eager: then nothing was compared)
     for kv, p in zip(kvs, prompts):
         paged.kv.release(kv, p + [0] * (kv.num_computed - len(p)))
     assert paged.kv.check_integrity()
 
 
 def test_one_graph_serves_every_key_length_and_grad_mode(tiny3):
-    """After warm-up, the batch-1 graph runs with grad on or off and at key lengths on both sides of 4096 (where
-    inductor's CPU float sums change) without compiling again, and matches eager there."""
+    """After warm-up, each graph runs with grad on or off and at key lengths on both sides of 4096 (where
+    inductor's CPU float sums change) within its guards, and matches eager there."""
     p = PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
-    with torch.compiler.set_stance("fail_on_recompile"):
+    for rows in (1, 4):
         for n, grad in ((320, True), (320, False), (4160, False), (8192, True)):
-            keys = (torch.arange(n) % 4000 + 1)[None]  # any slots: the pool's size does not bound a row's keys
-            batch = DecodeBatch(torch.tensor([5]), torch.tensor([n - 1]), torch.tensor([n % 4000]), keys)
+            keys = (torch.arange(rows * n) % 4000 + 1).view(rows, n)  # any slots: the pool's size bounds no row
+            batch = DecodeBatch(torch.full((rows,), 5), torch.full((rows,), n - 1), torch.arange(rows) + 1, keys)
             with torch.set_grad_enabled(grad):
                 captured = p.runner.graphs.run(batch)
             assert (captured - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+    assert p.runner.graphs.guard_misses() == 0
 
 
 def test_dense_only_model_through_the_batch_one_graph(tmp_path):
@@ -105,10 +107,10 @@ def test_dense_only_model_through_the_batch_one_graph(tmp_path):
     build_hf_model("all_dense", tmp_path)
     p = PagedModel(load_model(tmp_path), graph_buckets=[1])
     assert p.runner.min_keys == 2 * SUM_PIECE
-    with torch.compiler.set_stance("fail_on_recompile"):
-        for n in (p.runner.min_keys, 1024 + SUM_PIECE):  # (decode key counts are whole pieces)
-            batch = DecodeBatch(torch.tensor([5]), torch.tensor([n - 1]), torch.tensor([n]), torch.arange(n)[None] + 1)
-            assert (p.runner.graphs.run(batch) - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+    for n in (p.runner.min_keys, 1024 + SUM_PIECE):  # (decode key counts are whole pieces)
+        batch = DecodeBatch(torch.tensor([5]), torch.tensor([n - 1]), torch.tensor([n]), torch.arange(n)[None] + 1)
+        assert (p.runner.graphs.run(batch) - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+    assert p.runner.graphs.guard_misses() == 0
 
 
 def test_padding_rows_touch_only_the_padding_slot(tiny3):
@@ -157,7 +159,7 @@ def test_warm_up_keeps_health_at_503_then_reports_the_buckets(tmp_path, tiny3):
         assert saw_warming and r.status_code == 200
         info = httpx.get(srv.url + "/server_info", timeout=10).json()
         assert info["captured_decode_batch_sizes"] == [1, 4] and info["status"] == "ready"
-        assert "decode graph 1/2: batch 4 ready" in srv.logs() and "decode graph 2/2: batch 1 ready" in srv.logs()
+        assert "batch 4 ready" in srv.logs() and "batch 1 ready" in srv.logs()
         out = httpx.post(srv.url + "/generate", json={"text": "Hi", "sampling_params": {"max_new_tokens": 4}},
                          timeout=60).json()
         assert out["meta_info"]["completion_tokens"] == 4
@@ -172,17 +174,25 @@ class _FakeChild:
         self.exitcode = 0
 
 
-def test_the_compile_beside_starts_only_on_a_cache_miss_and_is_waited_for():
-    misses = torch._dynamo.utils.counters["aot_autograd"]
+def test_a_first_start_compiles_batch_one_beside_and_a_second_starts_nothing(tiny3, tmp_path, monkeypatch):
+    """With neither graph saved, warm-up starts the compile beside at once (here a stand-in that saves both
+    graphs, copied from the cache the tests above filled), waits for it, and loads what it saved; a start after
+    that one starts nothing."""
+    model = load_model(tiny3)
+    PagedModel(model, size=4096, max_requests=64, graph_buckets=BUCKETS)  # (both graphs saved in the real cache)
+    saved = {kind: store_path(kind, model, PagedModel(model, size=4096, max_requests=64).pool) for kind in ("one", "many")}
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     started: list[_FakeChild] = []
-    warm = CacheMissWatch(lambda: started.append(_FakeChild()) or started[-1])
-    time.sleep(1.2)  # two looks, no miss: a warm cache starts nothing
-    warm.finish()
-    assert started == []
-    cold = CacheMissWatch(lambda: started.append(_FakeChild()) or started[-1])
-    misses["autograd_cache_miss"] += 1
-    deadline = time.monotonic() + 5
-    while not started and time.monotonic() < deadline:
-        time.sleep(0.1)
-    cold.finish()
-    assert len(started) == 1 and started[0].exitcode == 0  # started once, and joined before batch 1 compiles
+
+    def beside(buckets: tuple[int, ...]) -> _FakeChild:
+        assert buckets == (1,)
+        (tmp_path / "minimax_graphs").mkdir(exist_ok=True)
+        for path in saved.values():
+            shutil.copy(path, tmp_path / "minimax_graphs" / path.name)
+        started.append(_FakeChild())
+        return started[-1]
+
+    for _ in range(2):
+        p = PagedModel(model, size=4096, max_requests=64, graph_buckets=BUCKETS, compile_beside=beside)
+        assert p.runner.captured_batch_sizes() == tuple(BUCKETS)
+    assert len(started) == 1 and started[0].exitcode == 0  # started once, and joined before batch 1 loads

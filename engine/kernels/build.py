@@ -28,10 +28,11 @@ LINK = ("-shared", "-fopenmp")
 LIBS = ("-lmvec", "-lm")
 
 
-def cache_dir() -> Path:
+def cache_dir(name: str = "minimax_kernels") -> Path:
+    """`name` inside inductor's cache directory: where this project keeps what it builds on a machine."""
     root = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or os.path.join(tempfile.gettempdir(),
                                                                       f"torchinductor_{getpass.getuser()}")
-    return Path(root) / "minimax_kernels"
+    return Path(root) / name
 
 
 def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
-from engine.runtime.decode_graph import DecodeGraphs, graph_buckets
+from engine.runtime.decode_graph import DecodeGraphs, decode_step, graph_buckets
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.scheduler import ScheduledBatch
 from mem_cache import MiniMaxSparseKVPool
@@ -36,8 +36,7 @@ class ModelRunner:
         least = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)
         self.min_keys = -(-least // KEY_BUCKET) * KEY_BUCKET
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
-        cache = [t for sub in pool.sub_pools() for t in sub.tensors()]
-        self.graphs = DecodeGraphs(self.decode_step, buckets, self.device, self.min_keys, cache)
+        self.graphs = DecodeGraphs(model, pool, buckets, self.device, self.min_keys)
 
     def captured_batch_sizes(self) -> tuple[int, ...]:
         return self.graphs.ready()
@@ -47,8 +46,8 @@ class ModelRunner:
 
     @torch.no_grad()
     def decode_step(self, batch: DecodeBatch) -> torch.Tensor:
-        """fp32 logits of every row of a decode step: the function the graphs capture."""
-        return self.model.compute_logits(self.model(batch, self.pool))
+        """fp32 logits of every row of a decode step, eager (what the graphs capture)."""
+        return decode_step(self.model, self.pool, batch)
 
     @torch.no_grad()
     def forward(self, batch: ScheduledBatch, table: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:

@@ -1,0 +1,107 @@
+"""A decode graph compiled ahead of time and kept on disk, so that a warm start loads it instead of tracing the
+model again (CPU).
+
+`torch.compile(...).aot_compile` traces a step function of (model, pool, batch) once and returns a function
+that can be saved: the model's parameters and the pool's buffers stay arguments (nothing of them is in the
+file), so one file serves every engine with the same model shape, KV pool shape, dtype and threads. The file
+lands beside inductor's cache (`<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`), named by a hash of what the graph
+depends on: the torch version, the CPU, the thread count, the model's config, the pool's buffer shapes, the
+kind of graph and the source of every module the trace reads. NOTE: dynamo's trace (fake tensors, symbolic
+shapes) was most of a warm start: 12-25 s for the two graphs, against ~1.5 s to load each file.
+
+The guards dynamo built (tensor shapes and dtypes, grad mode, the config's values) are checked before every
+call (~14 us); a batch that fails them runs eager, with a warning, and is counted (`guard_misses`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.kernels.build import cache_dir
+from engine.model.forward_batch import DecodeBatch
+from engine.model.model import MiniMaxM3Model
+from mem_cache import MiniMaxSparseKVPool
+
+logger = logging.getLogger(__name__)
+
+Step = Callable[[MiniMaxM3Model, MiniMaxSparseKVPool, DecodeBatch], torch.Tensor]
+_ROOT = Path(__file__).resolve().parents[2]
+# What a decode trace reads: the model math, its kernels' ops, the pool's accessors, the graph's own modules.
+_SOURCES = ("engine/model", "engine/kernels", "mem_cache", "engine/runtime/decode_graph.py",
+            "engine/runtime/graph_passes.py", "engine/runtime/precompiled.py")
+
+
+def graph_key(kind: str, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> str:
+    """A hash of everything a compiled decode graph of `kind` depends on but its arguments' values."""
+    p = next(model.parameters())
+    facts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads()), kind,
+             repr(model.cfg), str(p.dtype), str(p.device),
+             repr([(tuple(t.shape), t.dtype) for sub in pool.sub_pools() for t in sub.tensors()])]
+    files = sorted(f for s in _SOURCES for f in ([_ROOT / s] if s.endswith(".py") else (_ROOT / s).glob("*.[pch]*"))
+                   if f.suffix in (".py", ".c", ".h"))
+    h = hashlib.sha256("\0".join(facts).encode())
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()[:20]
+
+
+class PrecompiledStep:
+    """`step` compiled with inductor `options` for the batches an example stands for (`mark` marks which of
+    its dimensions are dynamic), loaded from `path` when a start before this one saved it there."""
+
+    def __init__(self, step: Step, options: dict[str, Any], path: Path,
+                 mark: Callable[[DecodeBatch], DecodeBatch]) -> None:
+        self.step, self.options, self.path, self.mark = step, options, path, mark
+        self.guard_misses = 0
+        self._fn: Any = None
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def prepared(self) -> bool:
+        return self._fn is not None
+
+    @torch.no_grad()  # (grad mode is one of the guards)
+    def prepare(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, example: DecodeBatch) -> str:
+        """Load the saved graph, or compile it and save it; "loaded" or "compiled". A file that cannot be loaded
+        (another torch, a broken file) or whose guards refuse `example` is compiled again and replaced."""
+        if self.path.exists():
+            try:
+                with self.path.open("rb") as f:
+                    fn = torch.compiler.load_compiled_function(f)
+                if fn.guard_check(model, pool, example):
+                    self._fn = fn
+                    self._fn.disable_guard_check()  # (checked in __call__, with a fallback instead of a raise)
+                    return "loaded"
+                logger.warning("%s: its guards refuse this engine: compiling again", self.path.name)
+            except Exception as e:  # noqa: BLE001 (any failure to load means: compile)
+                logger.warning("%s could not be loaded (%s): compiling again", self.path.name, e)
+        # NOTE: marked on a copy: a tensor marked dynamic fails the guards at run time (batches come unmarked)
+        marked = self.mark(DecodeBatch(*dataclasses.astuple(example)))  # (astuple copies the tensors)
+        fn = torch.compile(self.step, fullgraph=True, options=dict(self.options)).aot_compile(
+            ((model, pool, marked), {}))
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fn.save_compiled_function(str(self.path))  # (written apart, then renamed: processes may race)
+        fn.disable_guard_check()
+        self._fn = fn
+        return "compiled"
+
+    def __call__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeBatch) -> torch.Tensor:
+        if self._fn.guard_check(model, pool, batch):
+            return self._fn(model, pool, batch)
+        self.guard_misses += 1
+        if self.guard_misses == 1:
+            logger.warning("a decode batch of %s fails the guards of %s: it runs eager", tuple(batch.key_slots.shape),
+                           self.path.name)
+        return self.step(model, pool, batch)
+
+
+def store_path(kind: str, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> Path:
+    return cache_dir("minimax_graphs") / f"decode-{kind}-{graph_key(kind, model, pool)}.bin"
