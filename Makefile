@@ -25,9 +25,12 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
+# Tests run on TEST_WORKERS processes (a file each at a time; the decode-graph compiles are one core's Python),
+# each at 1 torch thread: two processes at 2 threads on 2 cores slow each other down many times over.
+TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -x tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -x -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.reliability_utils import reference_ids
 
@@ -18,3 +19,13 @@ def client(srv):
 def reference(client) -> list[int]:
     """The fixed greedy request's tokens before any scenario (reliability checks compare against it)."""
     return reference_ids(client)
+
+
+@pytest.fixture
+def two_threads():
+    """torch, and the C kernels' OpenMP loops, on 2 threads for one test: `make test` runs its two workers at 1
+    thread each (OMP_NUM_THREADS=1), and a kernel's split of work between threads needs testing too."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(n)

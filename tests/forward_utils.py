@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.model_runner import ModelRunner
@@ -51,6 +52,37 @@ class PagedModel:
         logits = self.runner.forward(batch, self.kv.table, list(range(sum(len(x) for x in ids))))
         return list(logits.split([len(x) for x in ids]))
 
+    def decode_batch(self, kvs: list, tokens: list[int]) -> DecodeBatch:
+        """A decode step's fixed-shape inputs: request i feeds tokens[i] (its slot allocated now)."""
+        prefix = [kv.num_computed for kv in kvs]
+        loc = self.kv.allocate([(kv, 1) for kv in kvs])
+        return self.runner.decode_batch(ScheduledBatch([], [kv.row for kv in kvs], prefix, [[t] for t in tokens], loc),
+                                        self.kv.table)
+
     def logits(self, ids: list[int]) -> torch.Tensor:
         """Logits at every position of one prompt, in one extend."""
         return self.run([ids], chunk=len(ids))[0]
+
+
+def assert_captured_equals_eager(paged: PagedModel, rows: int) -> None:
+    """`rows` requests past the top-k budget, near a block edge, decode 6 steps (each crosses a block boundary)
+    through the captured graph of their bucket and eager: logits within 1e-5, the same greedy tokens."""
+    cfg = paged.runner.model.cfg
+    g = torch.Generator().manual_seed(rows)
+    lengths = [cfg.block_size * (cfg.topk_blocks + 1) - 2 + 3 * r for r in range(rows)]
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
+    kvs = [paged.kv.admit([]) for _ in prompts]
+    last = [int(x[-1].argmax()) for x in paged.step(kvs, prompts)]
+    for _ in range(6):
+        batch = paged.decode_batch(kvs, last)
+        assert paged.runner.graphs.bucket(rows) in paged.runner.captured_batch_sizes()
+        captured = paged.runner.graphs.run(batch)
+        eager = paged.runner.decode_step(batch)  # writes the same K/V again: same values
+        assert captured.shape == eager.shape == (rows, cfg.vocab_size)
+        assert (captured - eager).abs().max().item() < 1e-5
+        assert captured.argmax(-1).tolist() == eager.argmax(-1).tolist()
+        last = eager.argmax(-1).tolist()
+    assert paged.runner.graphs.guard_misses() == 0  # (a refused batch runs eager: then nothing was compared)
+    for kv, p in zip(kvs, prompts):
+        paged.kv.release(kv, p + [0] * (kv.num_computed - len(p)))
+    assert paged.kv.check_integrity()

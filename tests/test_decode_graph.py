@@ -1,12 +1,10 @@
-"""Captured decode (inductor graphs per batch-size bucket) against the same step run eager.
-
-For every transformers parity configuration, and for configs/tiny cut to three layers (one of each
-kind: dense, sparse with the index-value branch, sparse K-only; MoE; dummy weights; a graph's compile
-time grows with its layer count): greedy tokens equal and logits within 1e-5 at batch 1, 3 (padded to
-bucket 4) and 4, over steps that cross a block boundary; decode after a prefix-cache hit; padding rows
-touch only the padding slot; warm-up keeps /health at 503. The transformers configurations capture
-one bucket (4: batches 1 and 3 are padded to it), the tiny cut two (1 and 4: the batch-1 graph and the
-dynamic one), which keeps the compiles few.
+"""Captured decode (inductor graphs per batch-size bucket) against the same step run eager, on configs/tiny
+cut to three layers (one of each kind: dense, sparse with the index-value branch, sparse K-only; MoE; dummy
+weights; a graph's compile time grows with its layer count), capturing buckets 1 and 4 (the batch-1 graph and
+the dynamic one): greedy tokens equal and logits within 1e-5 at batch 1, 3 (padded to bucket 4) and 4, over
+steps that cross a block boundary; decode after a prefix-cache hit; padding rows touch only the padding slot;
+the saved graphs loaded by a second engine; warm-up keeps /health at 503. The transformers configurations
+are in test_decode_graph_parity.py (a file of their own: `make test` runs files on two workers).
 """
 
 from __future__ import annotations
@@ -20,18 +18,17 @@ import httpx
 import pytest
 import torch
 from engine_utils import TINY, make_engine, solo
-from hf_models import HF_CONFIGS, build_hf_model
+from hf_models import build_hf_model
 
 from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
 from engine.runtime.precompiled import store_path
-from engine.runtime.scheduler import ScheduledBatch
-from tests.forward_utils import PagedModel
+from tests.forward_utils import PagedModel, assert_captured_equals_eager
 from tests.server_utils import start_server
 
-BUCKETS = [1, 4]  # NOTE: tiny3 runs with 4096 KV slots and 64 request rows everywhere, so the graphs
-# compiled by the first test load from the inductor cache in the others (shapes are part of the key)
+BUCKETS = [1, 4]  # NOTE: tiny3 runs with 4096 KV slots everywhere, so the graphs the first test compiles and
+# saves are loaded by the others (the pool's shape is part of their key)
 
 
 @pytest.fixture(scope="module")
@@ -48,43 +45,14 @@ def tiny3(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module", params=[*HF_CONFIGS, "tiny3"])
-def paged(request, tmp_path_factory, tiny3):
-    if request.param == "tiny3":
-        return PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
-    path = tmp_path_factory.mktemp(request.param)
-    build_hf_model(request.param, path)
-    return PagedModel(load_model(path), graph_buckets=[4])
-
-
-def _decode_batch(p: PagedModel, kvs: list, tokens: list[int]) -> DecodeBatch:
-    prefix = [kv.num_computed for kv in kvs]
-    loc = p.kv.allocate([(kv, 1) for kv in kvs])
-    return p.runner.decode_batch(ScheduledBatch([], [kv.row for kv in kvs], prefix, [[t] for t in tokens], loc), p.kv.table)
+@pytest.fixture(scope="module")
+def paged(tiny3):
+    return PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_captured_decode_equals_eager(paged, rows):
-    cfg = paged.runner.model.cfg
-    b = cfg.block_size
-    g = torch.Generator().manual_seed(rows)
-    lengths = [b * (cfg.topk_blocks + 1) - 2 + 3 * r for r in range(rows)]  # past the top-k budget, near a block edge
-    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    kvs = [paged.kv.admit([]) for _ in prompts]
-    last = [int(x[-1].argmax()) for x in paged.step(kvs, prompts)]
-    for _ in range(6):  # each row crosses a block boundary within these steps
-        batch = _decode_batch(paged, kvs, last)
-        assert paged.runner.graphs.bucket(rows) in paged.runner.captured_batch_sizes()
-        captured = paged.runner.graphs.run(batch)
-        eager = paged.runner.decode_step(batch)  # writes the same K/V again: same values
-        assert captured.shape == eager.shape == (rows, cfg.vocab_size)
-        assert (captured - eager).abs().max().item() < 1e-5
-        assert captured.argmax(-1).tolist() == eager.argmax(-1).tolist()
-        last = eager.argmax(-1).tolist()
-    assert paged.runner.graphs.guard_misses() == 0  # (a refused batch runs eager: then nothing was compared)
-    for kv, p in zip(kvs, prompts):
-        paged.kv.release(kv, p + [0] * (kv.num_computed - len(p)))
-    assert paged.kv.check_integrity()
+    assert_captured_equals_eager(paged, rows)
 
 
 def test_one_graph_serves_every_key_length_and_grad_mode(tiny3):
@@ -117,7 +85,7 @@ def test_padding_rows_touch_only_the_padding_slot(tiny3):
     p = PagedModel(load_model(tiny3), size=4096, max_requests=64, graph_buckets=BUCKETS)
     kvs = [p.kv.admit([]) for _ in range(3)]
     p.step(kvs, [[5, 6, 7], [8, 9], [10, 11, 12, 13]])
-    batch = _decode_batch(p, kvs, [1, 2, 3])
+    batch = p.decode_batch(kvs, [1, 2, 3])
     written = set(batch.out_cache_loc.tolist())
     before = [t.clone() for sub in p.pool.sub_pools() for t in sub.tensors()]
     p.runner.graphs.run(batch)  # 3 rows in bucket 4: one padding row

@@ -70,6 +70,7 @@ def _moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("forced", [None, [0, 2, 4], [0, 1, 5], [7, 3, 1]])
 def test_moe_forms_match_reference(forced):
     """Every form of the routed experts against float64: the C kernel (what MoE runs on CPU float32, eager
@@ -94,6 +95,7 @@ def test_moe_forms_match_reference(forced):
                 assert (got.double() - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_the_moe_kernel_at_both_vector_widths_matches_reference(lanes):
     """moe_experts.c as built for AVX2 (8 lanes, 8 weight rows a pass) and for AVX-512 (16), whichever this

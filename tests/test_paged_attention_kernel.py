@@ -39,6 +39,7 @@ def test_the_kernel_builds_here():
     assert kernel() is not None  # (gcc is on every machine this runs on: inductor needs it too)
 
 
+@pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("path", ["kernel", "gather_sdpa"])
 def test_paged_attention_matches_a_written_out_softmax(shape, path):
@@ -47,6 +48,7 @@ def test_paged_attention_matches_a_written_out_softmax(shape, path):
     torch.testing.assert_close(got, reference(*args), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_both_vector_widths_match_a_written_out_softmax(lanes):
     """The kernel as built for AVX2 (8 lanes) and for AVX-512 (16 lanes), whichever this CPU has: head
@@ -65,6 +67,7 @@ def test_the_kernel_gives_zeros_to_a_query_with_no_kept_key():
     torch.testing.assert_close(got[0], reference(q, k_buf, v_buf, rows, keep, scale)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("rows,heads,group,dim,topk,block,keys,shared", [
     (5, 2, 4, 32, 4, 16, 200, False), (7, 2, 3, 24, 3, 8, 90, True), (1, 1, 2, 32, 4, 64, 320, False)])
 def test_block_attention_matches_the_same_keys_listed(rows, heads, group, dim, topk, block, keys, shared):
