@@ -81,7 +81,7 @@ class PrecompiledStep:
                     self._fn.disable_guard_check()  # (checked in __call__, with a fallback instead of a raise)
                     return "loaded"
                 logger.warning("%s: its guards refuse this engine: compiling again", self.path.name)
-            except Exception as e:  # noqa: BLE001 (any failure to load means: compile)
+            except Exception as e:  # (any failure to load means: compile)
                 logger.warning("%s could not be loaded (%s): compiling again", self.path.name, e)
         # NOTE: marked on a copy: a tensor marked dynamic fails the guards at run time (batches come unmarked)
         marked = self.mark(DecodeBatch(*dataclasses.astuple(example)))  # (astuple copies the tensors)
