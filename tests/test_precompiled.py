@@ -1,7 +1,7 @@
 """A step compiled ahead of time and saved (engine/runtime/precompiled.py), on a small step of the same shape
 as the decode step (a module, a pool-like object, a DecodeBatch): a second one loads the file and computes
-the same numbers, a broken file is compiled again, a batch its guards refuse runs eager and is counted, and
-the file's name changes with what the graph depends on."""
+the same numbers, a broken file is compiled again, a batch its guards refuse runs eager and is counted (each
+time: the verdict kept per batch signature), and the file's name changes with what the graph depends on."""
 
 from __future__ import annotations
 
@@ -54,6 +54,14 @@ def test_saved_loaded_broken_and_refused(tmp_path, caplog):
             refused = second(model, pool, _batch(16, torch.int32))  # (its guards hold int64 slots)
         assert torch.allclose(refused, _step(model, pool, _batch(16)), atol=1e-6)
         assert second.guard_misses == 1 and "fails the guards" in caplog.text
+        # the guards' verdicts are kept per batch signature: a refused one stays refused, a new one is checked
+        second(model, pool, _batch(16, torch.int32))
+        assert second.guard_misses == 2
+        assert torch.allclose(second(model, pool, _batch(24)), _step(model, pool, _batch(24)), atol=1e-6)
+        assert second.guard_misses == 2
+    with torch.enable_grad():  # (grad mode is guarded: compiled under no_grad)
+        assert torch.allclose(second(model, pool, _batch(16)), _step(model, pool, _batch(16)), atol=1e-6)
+    assert second.guard_misses == 3
     path.write_bytes(b"not a compiled function")
     with caplog.at_level(logging.WARNING):
         assert PrecompiledStep(_step, {}, path, _mark).prepare(model, pool, _batch(16)) == "compiled"
