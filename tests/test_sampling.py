@@ -187,6 +187,17 @@ def test_top_k_1_and_greedy_equal_argmax() -> None:
     assert not torch.equal(gens[0].get_state(), states[0])
 
 
+def test_greedy_takes_the_first_of_tied_maxima() -> None:
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randint(0, 4, (64, 4096), generator=g).float()  # (every row has many tied maxima)
+    logits[5] = float("-inf")
+    logits[6, 100:] = float("-inf")
+    rows = logits.tolist()
+    want = [row.index(max(row)) for row in rows]  # the lowest id among the largest
+    got = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 64, [[]] * 64, [[]] * 64, [None] * 64)
+    assert got.tolist() == want
+
+
 @pytest.mark.parametrize(("kw", "support"), [
     ({}, _top(8)),
     ({"top_k": 3}, _top(3)),

@@ -12,7 +12,7 @@ import torch
 
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.logprobs import plan_prompt_rows, record_output, record_prompt
-from engine.runtime.model_runner import ModelRunner
+from engine.runtime.model_runner import ModelRunner, take_rows
 from engine.runtime.request import Limits, NewRequest, Req, RequestOutput, validate
 from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import ScheduledBatch, Scheduler
@@ -175,7 +175,7 @@ class Engine:
             if plan.targets or plan.null_first:
                 record_prompt(req, plan, logits)  # reported with the request's next output
         if sampling:
-            self._sample([r for r, _ in sampling], logits[[i for _, i in sampling]])
+            self._sample([r for r, _ in sampling], take_rows(logits, [i for _, i in sampling]))
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
         for r in (r for r in reqs if r.params.max_new_tokens == 0):
@@ -183,7 +183,7 @@ class Engine:
         live = [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]
         if not live:
             return
-        reqs, logits = [reqs[i] for i in live], logits[live]
+        reqs, logits = [reqs[i] for i in live], take_rows(logits, live)
         suppress = [r.stop.suppressed(len(r.output_ids)) for r in reqs]
         tokens = self._sampler.sample(logits, [r.params for r in reqs], [r.output_ids for r in reqs],
                                       [r.prompt_ids for r in reqs], [r.generator for r in reqs], suppress).tolist()
