@@ -75,4 +75,3 @@ def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:
     if len(rows) == x.shape[0] and rows == list(range(len(rows))):
         return x
     return x[torch.tensor(rows, dtype=torch.int64, device=x.device)]
-
