@@ -45,8 +45,16 @@ static inline __attribute__((always_inline)) void attend_one(
             }
         }
         if (cnt == 0) continue;
+        /* NOTE: every line of the tile's keys and values asked for before its dot products (they are read
+         * cold, from rows scattered over the pool), against each key's first line 4 keys ahead: a decode step
+         * at 32 / 64 rows 1.09x / 1.13x captured, 1.06x eager (A/B in one engine, AVX-512); a 4k prefill and
+         * 1-16 rows over 1-2k keys unchanged (0.99-1.02x). */
+        for (int64_t j = 0; j < cnt; j++)
+            for (int64_t c = 0; c < dim; c += 16) {
+                __builtin_prefetch(k + idx[j] * dim + c);
+                __builtin_prefetch(v + idx[j] * dim + c);
+            }
         for (int64_t j = 0; j < cnt; j++) {
-            if (j + 4 < cnt) { __builtin_prefetch(k + idx[j + 4] * dim); __builtin_prefetch(v + idx[j + 4] * dim); }
             const float *kr = k + idx[j] * dim;
             for (int64_t g = 0; g < group; g++) {
                 const float *qg = qh + g * dim;
