@@ -47,6 +47,18 @@ def test_selection_rules():
             assert set(chosen) == forced | set(rest[: len(chosen) - len(forced)])
     tied = select_blocks(torch.zeros(1, 1, 1, 8), torch.tensor([[31]]), block, 3, 0, 1)
     assert tied[0, 0, 0].tolist() == [7, 0, 1]  # equal scores: the lower block id wins
+    # exactly a stable descending sort's order, ties (-0.0 and 0.0 equal) and infinities included
+    values = torch.tensor([0.0, -0.0, 1.5, -2.0, 1.5, float("-inf"), -2.0, 3.0e38, -1e-45, 0.0, 1e-45, -0.0])
+    keys = values[torch.randint(0, len(values), (3, 2, 50, 24), generator=g)]
+    q_pos = torch.randint(0, 24 * block, (3, 50), generator=g)
+    got = select_blocks(keys, q_pos, block, 6, 1, 1)
+    visible = (q_pos // block + 1)[:, None, :, None]
+    b = torch.arange(24)
+    forced = (b < torch.clamp(visible, max=1)) | (b >= visible - 1)
+    ref = keys.masked_fill(forced, float("inf")).masked_fill(b >= visible, float("-inf"))
+    want = torch.sort(ref, dim=-1, descending=True, stable=True).indices[..., :6]
+    want = want.masked_fill(torch.arange(6) >= torch.clamp(visible, max=6), -1)
+    assert torch.equal(got, want)
 
 
 def test_decode_block_scores_rows_of_different_lengths():

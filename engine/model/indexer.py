@@ -43,9 +43,22 @@ def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, top
     b = torch.arange(nb, device=block.device)[None, None, :]
     forced = (b < torch.clamp(visible, max=init_blocks)) | (b >= visible - local_blocks)
     key = block.masked_fill(forced[:, None], float("inf")).masked_fill((b >= visible)[:, None], NEG_INF)
-    order = torch.sort(key, dim=-1, descending=True, stable=True).indices[..., :topk]
+    order = torch.topk(_tie_broken(key), min(topk, nb), dim=-1).indices  # (what a stable descending sort gives)
     if nb < topk:
         order = F.pad(order, (0, topk - nb), value=-1)
     count = torch.clamp(visible, max=topk)  # |S| = min(K, V_t), [R, T, 1]
     unused = torch.arange(topk, device=block.device)[None, None, :] >= count
     return order.masked_fill(unused[:, None], -1)
+
+
+def _tie_broken(key: torch.Tensor) -> torch.Tensor:
+    """float32 keys [..., nb] as int64 keys in the same order with every tie broken toward the lower index: the
+    float's bits made monotone (-0.0 equal to 0.0), times nb, plus nb - 1 - index. NOTE: top-k of these instead
+    of a stable sort: a batch-1 decode graph (compiled, configs/tiny, 320 keys) 1.49-1.53 vs 1.62-1.77 ms, A/B;
+    a 4k and a 16k prefill 1.04x / 1.02x, an eager 32-row step 1.01x."""
+    assert key.dtype == torch.float32, key.dtype  # (block_scores computes in fp32)
+    bits = key.contiguous().view(torch.int32).to(torch.int64)
+    monotone = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
+    nb = key.shape[-1]
+    return monotone * nb + (nb - 1 - torch.arange(nb, device=key.device))
+
