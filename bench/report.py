@@ -134,7 +134,8 @@ def _code(code: dict | None) -> str:
     if not code:
         return ""
     dirty = code["uncommitted_engine_server_files"]
-    return (f"Code measured: commit `{code['commit'][:12]}`" + (f", with uncommitted edits in {len(dirty)} "
+    return (f"Code measured: commit `{code['commit'][:12]}` (the newest run; each section names its own)"
+            + (f", with uncommitted edits in {len(dirty)} "
             "engine/server files (listed in results.json; the engine is being optimized concurrently)." if dirty else "."))
 
 
@@ -181,6 +182,7 @@ def render(results: dict, targets: list[dict]) -> str:
             continue
         lines += fn(res)
         if res.get("run_at"):
-            lines += [f"_{name} measured at {res['run_at']}._", ""]
+            at = f", commit `{res['commit'][:12]}`" if res.get("commit") else ""
+            lines += [f"_{name} measured at {res['run_at']}{at}._", ""]
     lines += ["## Method notes", "", *(f"- {n}" for n in NOTES), ""]
     return "\n".join(lines) + "\n"

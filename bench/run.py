@@ -94,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
             start = time.perf_counter()
             res = _run_child(name, ctx_file, workdir)
             res["run_at"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+            res["commit"] = results["code"]["commit"]  # (with --only, the others keep the commit they ran at)
             res["wall_s"] = time.perf_counter() - start
             results["benchmarks"][name] = _jsonable(res)
             print(f"[{name}: {res['wall_s']:.0f} s]")
