@@ -61,4 +61,3 @@ def _tie_broken(key: torch.Tensor) -> torch.Tensor:
     monotone = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
     nb = key.shape[-1]
     return monotone * nb + (nb - 1 - torch.arange(nb, device=key.device))
-
