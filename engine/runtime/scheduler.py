@@ -119,7 +119,7 @@ class Scheduler:
 
     def _build(self, chosen: list[tuple[Req, int]]) -> ScheduledBatch:
         prefix = [r.num_computed for r, _ in chosen]
-        new_ids = [r.all_ids[p:p + n] for (r, n), p in zip(chosen, prefix)]
+        new_ids = [r.ids(p, p + n) for (r, n), p in zip(chosen, prefix)]
         out = self.kv.allocate([(r.kv, n) for r, n in chosen])
         return ScheduledBatch([r for r, _ in chosen], [r.kv.row for r, _ in chosen], prefix, new_ids, out)
 
