@@ -93,17 +93,14 @@ class ReqToTokenPool:
 
 @dataclass(eq=False)
 class ReqKV:
-    """One live request's KV (change it only through the manager): `slots[i]` holds position i's K/V; the first
-    `cached` are the radix tree's (shared, locked through `node`), the rest the request's own."""
+    """One live request's KV (change it only through the manager). Its slots live in one place, its row of the
+    req_to_token table: positions [0, num_computed); the first `cached` are the radix tree's (shared, locked
+    through `node`), the rest the request's own."""
 
     row: int  # the request's row of the req_to_token table
-    slots: torch.Tensor
     node: TreeNode
     cached: int
-
-    @property
-    def num_computed(self) -> int:
-        return int(self.slots.shape[0])
+    num_computed: int
 
 
 class KVCacheManager:
@@ -151,6 +148,10 @@ class KVCacheManager:
     def num_live(self) -> int:
         return len(self._live)
 
+    def slots(self, kv: ReqKV) -> torch.Tensor:
+        """The request's slots, position by position (a view of its table row: read, do not write)."""
+        return self.req_to_token.req_to_token[kv.row, :kv.num_computed]
+
     # ---- actions ---------------------------------------------------------------------------------------
     def admit(self, prefix_ids: Sequence[int]) -> ReqKV:
         """A row for a new request and the longest cached prefix of `prefix_ids` (locked); the caller
@@ -160,13 +161,13 @@ class KVCacheManager:
         self.radix.inc_lock_ref(node)
         if slots.numel():
             self.req_to_token.write(row, 0, slots)
-        kv = ReqKV(row, slots, node, int(slots.numel()))
+        kv = ReqKV(row, node, int(slots.numel()), int(slots.numel()))
         self._live.add(kv)
         return kv
 
     def allocate(self, parts: Sequence[tuple[ReqKV, int]]) -> torch.Tensor:
-        """Give each request its next `n` slots (evicting if needed): appended to its slots and written
-        to its row. Returns all new slots in order (the step's out_cache_loc)."""
+        """Give each request its next `n` slots (evicting if needed), written to its row after the ones it
+        has. Returns all new slots in order (the step's out_cache_loc)."""
         total = sum(n for _, n in parts)
         if not self.can_allocate(total):
             raise PoolExhaustedError(f"KVCacheManager: {total} slots asked, {self.room()} free or evictable "
@@ -178,7 +179,7 @@ class KVCacheManager:
         for kv, n in parts:
             own = slots[start:start + n]
             self.req_to_token.write(kv.row, kv.num_computed, own)
-            kv.slots = torch.cat([kv.slots, own])
+            kv.num_computed += n
             start += n
         return slots
 
@@ -186,7 +187,7 @@ class KVCacheManager:
         """A finished, aborted or retracted request gives its KV back: the tokens it computed
         (`token_ids`, one per slot) go to the prefix cache, its duplicates and its row are freed."""
         self._live.remove(kv)
-        self.radix.cache_finished_req(token_ids, kv.slots, kv.node)
+        self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node)
         self.req_to_token.free(kv.row)
 
     def flush(self) -> bool:
@@ -201,13 +202,14 @@ class KVCacheManager:
         """free + owned by requests + held by the tree == size, no slot owned twice, one row per request."""
         assert self.allocator.check_integrity() and self.req_to_token.check_integrity()
         assert self.radix.check_integrity()
-        own = [kv.slots[kv.cached:] for kv in self._live]
+        own = [self.slots(kv)[kv.cached:].to(torch.int64) for kv in self._live]
         both = torch.cat([*own, self.radix.all_slots()])
         assert both.unique().numel() == both.numel(), "KVCacheManager: a slot is owned twice"
         total = self.allocator.available_size() + both.numel()
         assert total == self.size, f"KVCacheManager: slots leaked: free+owned+cached={total} != {self.size}"
         assert self.req_to_token.used_size() == len(self._live), "KVCacheManager: request rows leaked"
+        assert len({kv.row for kv in self._live}) == len(self._live), "KVCacheManager: two requests share a row"
         for kv in self._live:
-            row = self.req_to_token.req_to_token[kv.row, :kv.num_computed].to(kv.slots)
-            assert torch.equal(row, kv.slots), f"KVCacheManager: row {kv.row} disagrees with its slots"
+            assert 0 <= kv.cached <= kv.num_computed <= self.req_to_token.max_context_len, (
+                f"KVCacheManager: row {kv.row} has cached={kv.cached}, num_computed={kv.num_computed}")
         return True

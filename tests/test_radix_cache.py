@@ -97,10 +97,10 @@ def test_manager_admit_allocate_release_and_refusals() -> None:
     a = kv.admit([1, 2, 3])
     assert a.cached == 0 and a.num_computed == 0 and kv.can_admit()
     out = kv.allocate([(a, 3)])
-    assert out.tolist() == a.slots.tolist() and kv.table[a.row, :3].tolist() == out.tolist()
+    assert kv.slots(a).tolist() == out.tolist() == kv.table[a.row, :3].tolist() and a.num_computed == 3
     kv.release(a, [1, 2, 3])
     b = kv.admit([1, 2, 3, 4])
-    assert b.cached == 3 and b.slots.tolist() == out.tolist()  # the tree's slots, locked
+    assert b.cached == 3 and kv.slots(b).tolist() == out.tolist()  # the tree's slots, locked
     assert not kv.flush()  # b holds KV
     c = kv.admit([])
     assert not kv.can_admit()
@@ -137,7 +137,7 @@ class Sim:
             return
         tokens = self.tokens()
         rec = self.kv.admit(tokens[:-1])
-        self.check_prefix(tokens, rec.slots)
+        self.check_prefix(tokens, self.kv.slots(rec))
         self.live.append({"tokens": tokens, "kv": rec})
         self.admitted += 1
 
@@ -173,7 +173,7 @@ class Sim:
         assert self.kv.check_integrity()
         for req in self.live:
             rec = req["kv"]
-            self.check_prefix(req["tokens"], rec.slots)
+            self.check_prefix(req["tokens"], self.kv.slots(rec))
 
 
 def test_randomized_simulation_keeps_every_slot_owned_once_and_correct() -> None:

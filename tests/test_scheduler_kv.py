@@ -36,9 +36,12 @@ class Loop:
         assert batch is not None
         fed = sum(len(x) for x in batch.new_ids)
         assert len(batch.out_cache_loc) == fed and len(set(batch.out_cache_loc.tolist())) == fed
-        for req, prefix in zip(batch.reqs, batch.prefix_lens):
-            assert self.kv.table[req.kv.row, :req.num_computed].tolist() == req.kv.slots.tolist()
-            assert prefix + len(batch.new_ids[batch.reqs.index(req)]) == req.num_computed
+        start = 0
+        for req, prefix, ids in zip(batch.reqs, batch.prefix_lens, batch.new_ids):
+            assert prefix + len(ids) == req.num_computed
+            own = batch.out_cache_loc[start:start + len(ids)].tolist()  # this step's slots, at their positions
+            assert self.kv.slots(req.kv)[prefix:].tolist() == own
+            start += len(ids)
         self.steps.append((all(len(x) == 1 for x in batch.new_ids) and batch.reqs[0] in self.sched.running, fed))
         for req in batch.reqs:
             if req.remaining_prefill() == 0:
