@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.kernels import build
+from engine.kernels.operator import operator
 
 SOURCE = Path(__file__).with_suffix(".c")
 
@@ -43,7 +44,13 @@ def built() -> bool:
     return kernel() is not None
 
 
-@torch.library.custom_op("minimax::moe_experts", mutates_args=())
+def _fake(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, alpha: float,
+          limit: float) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@operator("moe_experts(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit) -> Tensor",
+          _fake)
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 alpha: float, limit: float) -> torch.Tensor:
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: x [T, H], ids and w [T, k], w13
@@ -62,9 +69,3 @@ def run(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w
     lib.moe_experts(x.data_ptr(), ids.data_ptr(), w.data_ptr(), w13.data_ptr(), w2.data_ptr(),
                     pairs.data_ptr(), out.data_ptr(), t, k, e, h, i2 // 2, alpha, limit)
     return out
-
-
-@moe_experts.register_fake
-def _(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, alpha: float,
-      limit: float) -> torch.Tensor:
-    return torch.empty_like(x)

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import build
+from engine.kernels.operator import operator
 
 NEG_INF = float("-inf")
 SOURCE = Path(__file__).with_suffix(".c")
@@ -57,7 +58,12 @@ def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
 
 
-@torch.library.custom_op("minimax::paged_attention", mutates_args=())
+def _like_q(q: torch.Tensor, *args: object) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+@operator("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor rows, Tensor keep, float scale) -> Tensor",
+          _like_q)
 def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
                     keep: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax_j(q . k_j * scale) v_j over the kept keys, read straight from the pool.
@@ -94,13 +100,8 @@ def in_place(fn: ctypes._CFuncPtr, q: torch.Tensor, k_buf: torch.Tensor, v_buf: 
     return out
 
 
-@paged_attention.register_fake
-def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
-      scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("minimax::paged_block_attention", mutates_args=())
+@operator("paged_block_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor blocks, "
+          "Tensor q_pos, int block_size, float scale) -> Tensor", _like_q)
 def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
                           blocks: torch.Tensor, q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """`paged_attention` of q [R, H, G, D] over the keys of row r's selected blocks blocks[r, h] [K] (-1: unused)
@@ -121,9 +122,3 @@ def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
                               key_slots.stride(0), blocks.data_ptr(), q_pos.data_ptr(), out.data_ptr(), b, h, g, d,
                               blocks.shape[-1], block_size, scale)
     return out
-
-
-@paged_block_attention.register_fake
-def _(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor, blocks: torch.Tensor,
-      q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    return torch.empty_like(q)
