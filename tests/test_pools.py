@@ -316,10 +316,15 @@ def test_req_to_token_pool() -> None:
     assert len(set(a)) == 3 and rp.available_size() == 1 and rp.can_alloc(1) and not rp.can_alloc(2)
     with pytest.raises(PoolExhaustedError):
         rp.alloc(2)
-    rp.write(a[1], 2, torch.tensor([7, 8, 9]))
+    rp.write([(a[1], 2, 3)], torch.tensor([7, 8, 9]))
     assert rp.req_to_token[a[1], :6].tolist() == [0, 0, 7, 8, 9, 0]
+    rp.write([(a[2], 4, 2), (a[1], 5, 0), (a[0], 0, 1), (a[1], 6, 3)], torch.tensor([1, 2, 3, 4, 5, 6]))
+    expect = {a[0]: [3] + [0] * 9, a[1]: [0, 0, 7, 8, 9, 0, 4, 5, 6, 0], a[2]: [0, 0, 0, 0, 1, 2, 0, 0, 0, 0]}
+    assert {r: rp.req_to_token[r, :10].tolist() for r in a} == expect  # each part at its row and positions
     with pytest.raises(ValueError, match="max_context_len"):
-        rp.write(a[1], 15, torch.tensor([1, 2]))
+        rp.write([(a[1], 15, 2)], torch.tensor([1, 2]))
+    with pytest.raises(ValueError, match="2 slots for 3 positions"):
+        rp.write([(a[1], 0, 3)], torch.tensor([1, 2]))
     rp.free(a[0])
     with pytest.raises(ValueError, match="double free"):
         rp.free(a[0])
