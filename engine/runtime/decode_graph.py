@@ -21,10 +21,11 @@ from collections.abc import Callable
 
 import torch
 
+from engine.kernels.onednn_linear import available as onednn_available
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.engine_args import EngineArgs
-from engine.runtime.graph_passes import MatVecAsReduction
+from engine.runtime.graph_passes import MatMulThroughOneDNN, MatVecAsReduction
 from engine.runtime.precompiled import PrecompiledStep, store_path
 from mem_cache import MiniMaxSparseKVPool
 
@@ -74,7 +75,8 @@ class DecodeGraphs:
         one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
                "post_grad_custom_post_pass": MatVecAsReduction()}
         self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
-        self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
+        many = {"post_grad_custom_post_pass": MatMulThroughOneDNN()} if onednn_available() else {}
+        self._many = PrecompiledStep(decode_step, many, store_path("many", model, pool), _marked)
 
     def ready(self) -> tuple[int, ...]:
         return tuple(sorted(self._compiled))
