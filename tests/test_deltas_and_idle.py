@@ -198,4 +198,6 @@ def test_first_token_is_not_delayed_by_a_poll_interval():
 
     ttft = statistics.median(asyncio.run(main()))
     direct = statistics.median(prefill[1:])
-    assert ttft - direct < 0.010, f"TTFT {ttft * 1e3:.1f} ms vs prefill {direct * 1e3:.1f} ms"
+    # (10 ms, or a tenth of the prefill where that is more: beside another CPU job both medians swing by more than
+    # 10 ms; a poll loop at ~50 ms or slower, adding ~25 ms to the median, is still caught at this prompt size)
+    assert ttft - direct < max(0.010, 0.1 * direct), f"TTFT {ttft * 1e3:.1f} ms vs prefill {direct * 1e3:.1f} ms"
