@@ -192,7 +192,7 @@ class KVCacheManager:
         """A finished, aborted or retracted request gives its KV back: the tokens it computed
         (`token_ids`, one per slot) go to the prefix cache, its duplicates and its row are freed."""
         self._live.remove(kv)
-        self.radix.cache_finished_req(token_ids, self.slots(kv).clone(), kv.node)  # (the tree keeps them; the row is reused)
+        self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node)  # (the tree clones the slots it keeps)
         self.req_to_token.free(kv.row)
 
     def flush(self) -> bool:
