@@ -44,13 +44,7 @@ def built() -> bool:
     return kernel() is not None
 
 
-def _fake(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, alpha: float,
-          limit: float) -> torch.Tensor:
-    return torch.empty_like(x)
-
-
-@operator("moe_experts(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit) -> Tensor",
-          _fake)
+@operator("moe_experts(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit) -> Tensor")
 def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                 alpha: float, limit: float) -> torch.Tensor:
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: x [T, H], ids and w [T, k], w13

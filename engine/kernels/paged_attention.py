@@ -58,12 +58,7 @@ def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
 
 
-def _like_q(q: torch.Tensor, *args: object) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-@operator("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor rows, Tensor keep, float scale) -> Tensor",
-          _like_q)
+@operator("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor rows, Tensor keep, float scale) -> Tensor")
 def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
                     keep: torch.Tensor, scale: float) -> torch.Tensor:
     """softmax_j(q . k_j * scale) v_j over the kept keys, read straight from the pool.
@@ -101,7 +96,7 @@ def in_place(fn: ctypes._CFuncPtr, q: torch.Tensor, k_buf: torch.Tensor, v_buf: 
 
 
 @operator("paged_block_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor blocks, "
-          "Tensor q_pos, int block_size, float scale) -> Tensor", _like_q)
+          "Tensor q_pos, int block_size, float scale) -> Tensor")
 def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
                           blocks: torch.Tensor, q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """`paged_attention` of q [R, H, G, D] over the keys of row r's selected blocks blocks[r, h] [K] (-1: unused)
