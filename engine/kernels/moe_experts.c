@@ -18,33 +18,7 @@
 
 #define GROUP 16 /* pairs per work item */
 /* LANES (simd.h) weight rows a pass, as many as a vector has lanes: the accumulators fill the register file
- * without spilling. */
-typedef int32_t ivec __attribute__((vector_size(4 * LANES)));
-
-static inline vec add_halves(vec a, vec b, ivec lo, ivec hi) {
-    return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
-}
-
-/* Lane i of the result: the sum of the lanes of a[i] (a is overwritten). Each level halves the vectors
- * and doubles how many of them a vector holds partial sums of (with 16 lanes: 8 lanes each of 2, 4 of 4,
- * 2 of 8, 1 of 16); level s pairs lane i with i + s of the same partial sum. */
-static inline vec lane_sums(vec *a) {
-#if LANES == 16
-    const ivec l8 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-    const ivec l4 = {0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27};
-    const ivec l2 = {0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29};
-    const ivec l1 = {0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30};
-    for (int i = 0; i < 8; i++) a[i] = add_halves(a[2 * i], a[2 * i + 1], l8, l8 + 8);
-#else
-    const ivec l4 = {0, 1, 2, 3, 8, 9, 10, 11};
-    const ivec l2 = {0, 1, 4, 5, 8, 9, 12, 13};
-    const ivec l1 = {0, 2, 4, 6, 8, 10, 12, 14};
-#endif
-    for (int i = 0; i < 4; i++) a[i] = add_halves(a[2 * i], a[2 * i + 1], l4, l4 + 4);
-    for (int i = 0; i < 2; i++) a[i] = add_halves(a[2 * i], a[2 * i + 1], l2, l2 + 2);
-    return add_halves(a[0], a[1], l1, l1 + 1);
-}
-
+ * without spilling; `lane_sums` (simd.h) adds each one's lanes. */
 /* out[p, j] = w[j, :] . in[p, :] for p < m, j < rows (w [rows, cols] row-major; in [m, cols], out [m, rows]). */
 static void mat_pairs(const float *w, const float *in, float *out, int64_t m, int64_t rows, int64_t cols) {
     for (int64_t j = 0; j < rows; j += LANES) {

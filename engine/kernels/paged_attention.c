@@ -37,30 +37,59 @@ static inline __attribute__((always_inline)) void attend_one(
         if (blocks == 0) {
             for (int64_t n = n0; n < n0 + TILE && n < keys; n++)
                 if (m[n]) idx[cnt++] = r[n];
-        } else {  /* key n: offset `off` of selected block `sel` (n = sel * B + off, no division: 1.04x) */
-            for (int64_t n = n0; n < n0 + TILE && n < keys; n++) {
-                int64_t blk = blocks[sel], pos = blk * block_size + off;
-                if (blk >= 0 && pos <= q_pos) idx[cnt++] = slots[pos] * heads + h;
-                if (++off == block_size) off = 0, sel++;
+        } else {  /* key n: offset `off` of selected block `sel` (n = sel * B + off), a run of positions a block
+                   * (NOTE: against a test per key, the kernel alone 1.3x at 64 rows x 192 keys, keys in cache) */
+            for (int64_t n = n0, end = n0 + TILE < keys ? n0 + TILE : keys; n < end;) {
+                int64_t run = block_size - off < end - n ? block_size - off : end - n, blk = blocks[sel];
+                int64_t first = blk * block_size + off, last = first + run - 1 < q_pos ? first + run - 1 : q_pos;
+                if (blk >= 0)
+                    for (int64_t pos = first; pos <= last; pos++) idx[cnt++] = slots[pos] * heads + h;
+                n += run, off += run;
+                if (off == block_size) off = 0, sel++;
             }
         }
         if (cnt == 0) continue;
         /* NOTE: every line of the tile's keys and values asked for before its dot products (they are read
          * cold, from rows scattered over the pool), against each key's first line 4 keys ahead: a decode step
          * at 32 / 64 rows 1.09x / 1.13x captured, 1.06x eager (A/B in one engine, AVX-512); a 4k prefill and
-         * 1-16 rows over 1-2k keys unchanged (0.99-1.02x). */
+         * 1-16 rows over 1-2k keys unchanged (0.99-1.02x). The next tile's lines asked for a tile ahead instead:
+         * no faster with the keys cold (0.93-0.98x, the kernel alone, 64 rows x 256 keys, 8 layers cycled). */
         for (int64_t j = 0; j < cnt; j++)
             for (int64_t c = 0; c < dim; c += 16) {
                 __builtin_prefetch(k + idx[j] * dim + c);
                 __builtin_prefetch(v + idx[j] * dim + c);
             }
-        for (int64_t j = 0; j < cnt; j++) {
-            const float *kr = k + idx[j] * dim;
+        /* LANES keys at a time: their dot products end in one vector (`lane_sums`, simd.h). NOTE: with the two
+         * changes below (runs of positions, several accumulator sets), the kernel alone 1.3-1.5x faster than with a
+         * dot product a key at 64 rows x 192 keys, 1.25-1.4x at 8-64 rows x 1,024 keys (AVX-512 AMD, 2 threads);
+         * but with its keys cold (8 layers' pools cycled, each row's decode keys R slots apart, as in a batch) the
+         * kernel is bound by memory (~10 GB/s of scattered 128-byte rows) and no faster: a whole step 1.02x at
+         * 32 and 64 rows, captured. */
+        if (dim % LANES == 0 && dim <= 8 * LANES) {
+            for (int64_t j = cnt; j % LANES; j++) idx[j] = idx[0];  /* (a partial last group reads a kept key again) */
             for (int64_t g = 0; g < group; g++) {
-                const float *qg = qh + g * dim;
-                float dot = 0.0f;
-                for (int64_t d = 0; d < dim; d++) dot += qg[d] * kr[d];
-                s[g * TILE + j] = dot * scale;
+                vec qv[8];
+                for (int64_t d = 0; d < dim / LANES; d++) qv[d] = load(qh + g * dim + LANES * d) * scale;
+                for (int64_t j0 = 0; j0 < cnt; j0 += LANES) {
+                    vec part[LANES];
+                    for (int j = 0; j < LANES; j++) {
+                        const float *kr = k + idx[j0 + j] * dim;
+                        part[j] = qv[0] * load(kr);
+                        for (int64_t d = 1; d < dim / LANES; d++) part[j] += qv[d] * load(kr + LANES * d);
+                    }
+                    vec dots = lane_sums(part);
+                    memcpy(s + g * TILE + j0, &dots, sizeof dots);
+                }
+            }
+        } else {
+            for (int64_t j = 0; j < cnt; j++) {
+                const float *kr = k + idx[j] * dim;
+                for (int64_t g = 0; g < group; g++) {
+                    const float *qg = qh + g * dim;
+                    float dot = 0.0f;
+                    for (int64_t d = 0; d < dim; d++) dot += qg[d] * kr[d];
+                    s[g * TILE + j] = dot * scale;
+                }
             }
         }
         for (int64_t g = 0; g < group; g++) {
@@ -81,14 +110,26 @@ static inline __attribute__((always_inline)) void attend_one(
          * A/B, 2 threads): listed keys 1.06-1.14x (8 and 64 rows x 2 KV heads x 150 keys); selected blocks
          * 1.29x (64 rows, 150 keys) and 1.50x (an extend chunk: 256 queries x 4 blocks of 64 keys) */
         if (dim % LANES == 0 && dim <= 8 * LANES) {  /* (at most 8 accumulators: they stay in registers) */
+            /* u keys a pass into u accumulator sets, up to 8 vectors in all (with one set at D = 32, two chains of
+             * dependent adds: their latency bound the loop, perf showed) */
+            const int64_t nd = dim / LANES, u = nd <= 2 ? 4 : (nd <= 4 ? 2 : 1);
             for (int64_t g = 0; g < group; g++) {
-                vec a[8];
-                for (int64_t d = 0; d < dim / LANES; d++) a[d] = load(acc + g * dim + LANES * d);
-                for (int64_t j = 0; j < cnt; j++) {
+                vec a[8] = {{0}};
+                for (int64_t d = 0; d < nd; d++) a[d] = load(acc + g * dim + LANES * d);
+                int64_t j = 0;
+                for (; j + u <= cnt; j += u)
+                    for (int64_t x = 0; x < u; x++) {
+                        const float *vr = v + idx[j + x] * dim;
+                        float p = s[g * TILE + j + x];
+                        for (int64_t d = 0; d < nd; d++) a[x * nd + d] += p * load(vr + LANES * d);
+                    }
+                for (; j < cnt; j++) {
                     const float *vr = v + idx[j] * dim;
                     float p = s[g * TILE + j];
-                    for (int64_t d = 0; d < dim / LANES; d++) a[d] += p * load(vr + LANES * d);
+                    for (int64_t d = 0; d < nd; d++) a[d] += p * load(vr + LANES * d);
                 }
+                for (int64_t x = 1; x < u; x++)
+                    for (int64_t d = 0; d < nd; d++) a[d] += a[x * nd + d];
                 memcpy(acc + g * dim, a, sizeof(float) * dim);
             }
         } else {
