@@ -23,6 +23,7 @@ from hf_models import build_hf_model
 from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
+from engine.runtime.decode_graph import cpu_graph_kinds
 from engine.runtime.precompiled import store_path
 from tests.forward_utils import PagedModel, assert_captured_equals_eager
 from tests.server_utils import start_server
@@ -148,7 +149,7 @@ def test_a_first_start_compiles_batch_one_beside_and_a_second_starts_nothing(tin
     that one starts nothing."""
     model = load_model(tiny3)
     PagedModel(model, size=4096, max_requests=64, graph_buckets=BUCKETS)  # (both graphs saved in the real cache)
-    saved = {kind: store_path(kind, model, PagedModel(model, size=4096, max_requests=64).pool) for kind in ("one", "many")}
+    saved = {kind: store_path(kind, model, PagedModel(model, size=4096, max_requests=64).pool) for kind in cpu_graph_kinds()}
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     started: list[_FakeChild] = []
 

@@ -21,11 +21,11 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels.onednn_linear import available as onednn_available
+from engine.kernels.linear import kernel as linear_kernel
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.engine_args import EngineArgs
-from engine.runtime.graph_passes import MatMulThroughOneDNN, MatVecAsReduction
+from engine.runtime.graph_passes import MatVecAsReduction, WeightProductsThroughKernel
 from engine.runtime.precompiled import PrecompiledStep, store_path
 from mem_cache import MiniMaxSparseKVPool
 
@@ -43,6 +43,12 @@ def graph_buckets(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
         return tuple(sorted(set(args.cuda_graph_bs)))
     top = args.cuda_graph_max_bs or min(args.max_running_requests, CPU_MAX_BS if device.type == "cpu" else 256)
     return tuple(b for b in DEFAULT_BUCKETS if b < top) + (top,)
+
+
+def cpu_graph_kinds() -> tuple[str, str]:
+    """The names of the two CPU graphs' files (`store_path`): batch 1, and the batched graph, named after its
+    rewrite (a graph saved where linear.c could not be built is another file)."""
+    return "one", "many" if linear_kernel() is None else "many-linear"
 
 
 def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeBatch) -> torch.Tensor:
@@ -75,8 +81,9 @@ class DecodeGraphs:
         one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
                "post_grad_custom_post_pass": MatVecAsReduction()}
         self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
-        many = {"post_grad_custom_post_pass": MatMulThroughOneDNN()} if onednn_available() else {}
-        self._many = PrecompiledStep(decode_step, many, store_path("many", model, pool), _marked)
+        kind = cpu_graph_kinds()[1]
+        many = {"post_grad_custom_post_pass": WeightProductsThroughKernel()} if kind == "many-linear" else {}
+        self._many = PrecompiledStep(decode_step, many, store_path(kind, model, pool), _marked)
 
     def ready(self) -> tuple[int, ...]:
         return tuple(sorted(self._compiled))

@@ -1,6 +1,6 @@
 """Rewrites inductor applies to the CPU decode graphs (`post_grad_custom_post_pass`).
 
-MatMulThroughOneDNN (the batched graph): its wide weight products through oneDNN's GEMM (see the class).
+WeightProductsThroughKernel (the batched graph): its weight products through linear.c (see the class).
 MatVecAsReduction (the batch-1 graph): every one-row weight product (matrix-vector: the projections, MLPs and
 the LM head of a batch-1 step) written as a multiply-and-sum, which inductor generates itself and runs on every
 thread. NOTE: MKL's sgemv ran them on one
@@ -23,7 +23,7 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-from engine.kernels.onednn_linear import onednn_linear
+from engine.kernels.linear import fits, linear
 
 aten = torch.ops.aten
 _PATTERNS = PatternMatcherPass(pass_name="matvec_as_reduction")
@@ -55,41 +55,37 @@ def _addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node, b: torch.fx.Node
     _realized(bias, a, b)
 
 
-_ONEDNN = PatternMatcherPass(pass_name="matmul_through_onednn")
-WIDE = 2048  # output features from which a weight product goes through oneDNN (see MatMulThroughOneDNN)
+_WEIGHTS = PatternMatcherPass(pass_name="weight_products_through_kernel")
 
 
 def _weight_t(match: Match) -> bool:
     a, w = match.kwargs["a"].meta.get("val"), match.kwargs["w"].meta.get("val")
-    return (a is not None and w is not None and a.device.type == "cpu" and a.dtype == w.dtype == torch.float32
-            and a.dim() == w.dim() == 2 and list(match.kwargs["dims"]) == [1, 0] and w.is_contiguous()
-            and w.shape[0] >= WIDE)
+    return a is not None and w is not None and list(match.kwargs["dims"]) == [1, 0] and fits(a, w)
 
 
 _W_T = CallFunction(aten.permute, KeywordArg("w"), KeywordArg("dims"))
 
 
-@register_graph_pattern(CallFunction(aten.mm, KeywordArg("a"), _W_T), extra_check=_weight_t, pass_dict=_ONEDNN)
-def _mm_onednn(match: Match, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
-    match.replace_by_example(lambda a, w: onednn_linear(a, w), [a, w])
+@register_graph_pattern(CallFunction(aten.mm, KeywordArg("a"), _W_T), extra_check=_weight_t, pass_dict=_WEIGHTS)
+def _mm_kernel(match: Match, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
+    match.replace_by_example(lambda a, w: linear(a, w), [a, w])
 
 
 @register_graph_pattern(CallFunction(aten.addmm, KeywordArg("bias"), KeywordArg("a"), _W_T), extra_check=_weight_t,
-                        pass_dict=_ONEDNN)
-def _addmm_onednn(match: Match, bias: torch.fx.Node, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
-    match.replace_by_example(lambda bias, a, w: onednn_linear(a, w) + bias, [bias, a, w])
+                        pass_dict=_WEIGHTS)
+def _addmm_kernel(match: Match, bias: torch.fx.Node, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
+    match.replace_by_example(lambda bias, a, w: linear(a, w) + bias, [bias, a, w])
 
 
-class MatMulThroughOneDNN(CustomGraphPass):
-    """The batched decode graph's wide weight products (at least WIDE outputs: the LM head, the dense MLPs'
-    gate|up) through oneDNN's GEMM instead of MKL's. NOTE: on a 2-core AVX-512 AMD, where MKL takes a slower path
-    than on Intel: a [64, 256] x [256, 4096] product 0.74-0.83 vs 1.0-2.0 ms, [32, 256] x [256, 2048] 0.21-0.24
-    vs 0.27-0.42 ms; narrower ones no faster (at 8 rows slower), so they stay MKL's. Captured steps, interleaved
-    with the plain graph's in one process: 1.04x / 1.02-1.04x / 1.02-1.03x at 8 / 32 / 64 rows. Not measured on
-    Intel."""
+class WeightProductsThroughKernel(CustomGraphPass):
+    """The batched decode graph's weight products (x @ w.T, w a [N, K] weight with N and K multiples of 16:
+    every projection, MLP and the LM head of configs/tiny; not the router's 8 rows) through `minimax::linear`
+    (linear.c) instead of MKL's GEMM. NOTE: MKL takes a slow path for so few rows on a 2-core AVX-512 AMD (the
+    kernel alone 1.3-4.3x faster at 8-64 rows, see linear.py; oneDNN, which this pass called for the widest
+    products before, 1.0-2.6x slower than the kernel). Not measured on Intel."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
-        _ONEDNN.apply(graph)
+        _WEIGHTS.apply(graph)
 
     def uuid(self) -> Any:
         return get_hash_for_files((__file__,))
