@@ -15,6 +15,7 @@ import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -54,11 +55,13 @@ def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def load_or_warn(source: Path, instead: str) -> ctypes.CDLL | None:
-    """`load(source)`, or None, with a warning saying what runs `instead`, where it cannot be built (no
-    compiler, or a failed build)."""
+def load_or_warn(source: Path, instead: str,
+                 bind: Callable[[ctypes.CDLL], ctypes.CDLL] = lambda lib: lib) -> ctypes.CDLL | None:
+    """`bind(load(source))` (`bind` sets the functions' argument types), or None, with a warning saying what runs
+    `instead`, where it cannot be built (no compiler, or a failed build)."""
     try:
-        return load(source)
+        lib = load(source)
     except Exception as e:
         logger.warning("%s: the C kernel is unavailable (%s); %s", source.name, e, instead)
         return None
+    return bind(lib)

@@ -25,8 +25,7 @@ MULTIPLE = 16  # (n and k: multiples of the widest vector, AVX-512's)
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    lib = build.load_or_warn(SOURCE, "weight products stay MKL's")
-    return None if lib is None else bind(lib)
+    return build.load_or_warn(SOURCE, "weight products stay MKL's", bind)
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -21,8 +21,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    lib = build.load_or_warn(SOURCE, "MoE layers keep their PyTorch forms")
-    return None if lib is None else bind(lib)
+    return build.load_or_warn(SOURCE, "MoE layers keep their PyTorch forms", bind)
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:

@@ -25,8 +25,7 @@ SOURCE = Path(__file__).with_suffix(".c")
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
 def kernel() -> ctypes.CDLL | None:
-    lib = build.load_or_warn(SOURCE, "gathering and calling SDPA instead")
-    return None if lib is None else bind(lib)
+    return build.load_or_warn(SOURCE, "gathering and calling SDPA instead", bind)
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
