@@ -32,12 +32,16 @@ def test_one_row_weight_products_become_inductor_sums(bias):
 
 
 @pytest.mark.skipif(kernel() is None, reason="no C compiler here")
-@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("residual", [False, True, "bias"])
 def test_weight_products_go_through_the_kernel(residual):
     g = torch.Generator().manual_seed(1)
     fits, odd = torch.randn(320, 64, generator=g) * 0.1, torch.randn(300, 64, generator=g) * 0.1  # (300: not 16k)
 
+    bias = torch.randn(320, generator=g)
+
     def f(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if residual == "bias" and w.shape[0] == bias.shape[0]:
+            return F.linear(torch.relu(x), w, bias)  # (addmm from F.linear itself, a 1-D bias)
         y = F.linear(torch.relu(x), w)
         return y + x.sum(dim=1, keepdim=True) if residual else y  # (an add inductor may fold into addmm)
 

@@ -25,10 +25,15 @@ def test_the_kernel_matches_a_float64_product(lanes):
 
 def test_the_operator_falls_back_where_the_kernel_does_not_fit():
     g = torch.Generator().manual_seed(0)
-    x = torch.randn(4, 40, generator=g)
-    for w in (torch.randn(24, 40, generator=g), torch.randn(32, 64, generator=g)[:, :40]):  # (k not 16k; w a view)
-        assert not linear.fits(x, w)
-        torch.testing.assert_close(linear.linear(x, w), x @ w.T)
+    x, x48 = torch.randn(4, 40, generator=g), torch.randn(4, 48, generator=g)
+    for a, w in ((x, torch.randn(24, 40, generator=g)),  # (k not a multiple of 16)
+                 (x48, torch.randn(24, 48, generator=g)),  # (n not a multiple of 16)
+                 (x48, torch.randn(32, 96, generator=g)[:, ::2])):  # (w not contiguous)
+        assert not linear.fits(a, w)
+        torch.testing.assert_close(linear.linear(a, w), a @ w.T)
+    assert linear.fits(x48, torch.randn(32, 48, generator=g))
+    with pytest.raises(RuntimeError):  # (sizes that do not multiply: F.linear's error, not a read out of bounds)
+        linear.linear(x48, torch.randn(32, 64, generator=g))
     w = torch.randn(32, 48, generator=g)
     assert linear.fits(x[:, :1].expand(4, 48), w)
     torch.testing.assert_close(linear.linear(x[:, :1].expand(4, 48), w), x[:, :1].expand(4, 48) @ w.T,

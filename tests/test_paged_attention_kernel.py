@@ -68,11 +68,17 @@ def test_the_kernel_gives_zeros_to_a_query_with_no_kept_key():
 
 
 @pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
+@pytest.mark.parametrize("lanes", [8, 16])
 @pytest.mark.parametrize("rows,heads,group,dim,topk,block,keys,shared", [
-    (5, 2, 4, 32, 4, 16, 200, False), (7, 2, 3, 24, 3, 8, 90, True), (1, 1, 2, 32, 4, 64, 320, False)])
-def test_block_attention_matches_the_same_keys_listed(rows, heads, group, dim, topk, block, keys, shared):
-    """paged_block_attention (the C kernel walks the selected blocks) against paged attention over the rows
-    and mask `block_rows` lists for the same blocks, and that against the float64 softmax."""
+    (5, 2, 4, 32, 4, 16, 200, False), (7, 2, 3, 24, 3, 8, 90, True), (1, 1, 2, 32, 4, 64, 320, False),
+    (4, 2, 4, 32, 3, 48, 300, False), (3, 2, 2, 32, 2, 128, 400, False)])  # (blocks across the kernel's 64-key tiles)
+def test_block_attention_matches_the_same_keys_listed(rows, heads, group, dim, topk, block, keys, shared, lanes,
+                                                       monkeypatch):
+    """paged_block_attention (the C kernel walks the selected blocks, built at both vector widths) against
+    paged attention over the rows and mask `block_rows` lists for the same blocks, and that against the float64
+    softmax."""
+    lib = paged_attention.bind(build.load(paged_attention.SOURCE, (f"-DLANES={lanes}",)))
+    monkeypatch.setattr(paged_attention, "kernel", lambda: lib)
     g = torch.Generator().manual_seed(rows)
     k_buf, v_buf = torch.randn(500, heads, dim, generator=g), torch.randn(500, heads, dim, generator=g)
     q = torch.randn(rows, heads, group, dim, generator=g)

@@ -36,10 +36,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether the kernel takes x [M, K] @ w [N, K].T: CPU, float32, N and K multiples of 16, w contiguous
-    (what a graph pass can tell from shapes alone; `linear` also needs the kernel built, or falls back)."""
+    """Whether the kernel takes x [M, K] @ w [N, K].T: CPU, float32, N and K positive multiples of 16, w
+    contiguous (what a graph pass can tell from shapes alone; `linear` also needs the kernel built, or falls
+    back)."""
     return (x.device.type == w.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and x.dim() == w.dim() == 2
-            and w.shape[0] % MULTIPLE == 0 and w.shape[1] % MULTIPLE == 0 and w.is_contiguous())
+            and x.shape[1] == w.shape[1] > 0 and w.shape[0] % MULTIPLE == 0 and w.shape[1] % MULTIPLE == 0
+            and w.is_contiguous())
 
 
 def _fake(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -110,8 +110,8 @@ static inline __attribute__((always_inline)) void attend_one(
          * A/B, 2 threads): listed keys 1.06-1.14x (8 and 64 rows x 2 KV heads x 150 keys); selected blocks
          * 1.29x (64 rows, 150 keys) and 1.50x (an extend chunk: 256 queries x 4 blocks of 64 keys) */
         if (dim % LANES == 0 && dim <= 8 * LANES) {  /* (at most 8 accumulators: they stay in registers) */
-            /* u keys a pass into u accumulator sets, up to 8 vectors in all (with one set at D = 32, two chains of
-             * dependent adds: their latency bound the loop, perf showed) */
+            /* u keys a pass into u accumulator sets, up to 8 vectors in all (with one set at D = 32 and 16 lanes,
+             * two chains of dependent adds: their latency bound the loop, perf showed) */
             const int64_t nd = dim / LANES, u = nd <= 2 ? 4 : (nd <= 4 ? 2 : 1);
             for (int64_t g = 0; g < group; g++) {
                 vec a[8] = {{0}};
