@@ -27,6 +27,9 @@ logger = logging.getLogger(__name__)
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LINK = ("-shared", "-fopenmp")
 LIBS = ("-lmvec", "-lm")
+# Floats in the widest vector a kernel is built with (simd.h's LANES with AVX-512): the matrix sizes the kernels
+# that multiply by weights (mat_rows.h) take are multiples of it, whichever width this CPU builds.
+WIDEST = 16
 
 
 def cache_dir(name: str = "minimax_kernels") -> Path:

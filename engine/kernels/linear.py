@@ -20,7 +20,6 @@ from engine.kernels import build
 from engine.kernels.operator import operator
 
 SOURCE = Path(__file__).with_suffix(".c")
-MULTIPLE = 16  # (n and k: multiples of the widest vector, AVX-512's)
 
 
 @functools.cache  # NOTE: one build and load per process, of an immutable library: nothing else is kept
@@ -40,7 +39,7 @@ def fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     contiguous (what a graph pass can tell from shapes alone; `linear` also needs the kernel built, or falls
     back)."""
     return (x.device.type == w.device.type == "cpu" and x.dtype == w.dtype == torch.float32 and x.dim() == w.dim() == 2
-            and x.shape[1] == w.shape[1] > 0 and w.shape[0] % MULTIPLE == 0 and w.shape[1] % MULTIPLE == 0
+            and x.shape[1] == w.shape[1] > 0 and w.shape[0] % build.WIDEST == 0 and w.shape[1] % build.WIDEST == 0
             and w.is_contiguous())
 
 

@@ -35,7 +35,7 @@ def on_kernel(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
     """Whether `moe_experts` can run here: CPU, float32, hidden and intermediate sizes multiples of 16 (the
     kernel's widest vector, AVX-512's), a compiler at hand."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, w13, w2))
-            and w2.shape[1] % 16 == 0 and w2.shape[2] % 16 == 0 and built())
+            and w2.shape[1] % build.WIDEST == 0 and w2.shape[2] % build.WIDEST == 0 and built())
 
 
 @torch.compiler.assume_constant_result  # (a compiled graph asks too: a constant there, nothing traced)
