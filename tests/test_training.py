@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from engine_utils import TINY
 
 from engine.model.loader import load_model
+from engine.runtime.tokenizer import Tokenizer
 from tests.forward_utils import PagedModel
+from training.corpus import read_corpus
 from training.export import export_safetensors
 from training.forward import forward
 from training.indexer import make_optimizer, step
@@ -31,6 +33,26 @@ def test_training_forward_equals_the_engine_forward():
     assert len(aux.indexer_kl) == sum(k != "dense" for k in c.layer_kinds)
     assert all(kl.item() >= 0 for kl in aux.indexer_kl)
     assert len(aux.routes) == sum(c.moe_layers) and aux.routes[0].shape == (2 * n, c.num_experts_per_tok)
+
+
+def test_training_forward_selects_blocks_under_bf16_autocast():
+    """Training runs under bf16 autocast (training/train.py); block selection still scores in fp32, as the engine
+    does, and the trained model's loss on a held-out story is the fp32 forward's, to bf16 rounding."""
+    model = load_model(TINY)
+    tok = Tokenizer.from_dir(TINY)
+    ids: list[int] = []
+    for row in read_corpus():  # shard 0 first: held out
+        ids += tok.encode(row["text"], add_special_tokens=False) + [tok.eos_token_id]
+        if len(ids) > (model.cfg.topk_blocks + 2) * model.cfg.block_size:
+            break
+    x = torch.tensor([ids])
+    with torch.no_grad():
+        want, _ = forward(model, x[:, :-1], indexer_loss=False)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            got, aux = forward(model, x[:, :-1])
+    assert len(aux.indexer_kl) == sum(k != "dense" for k in model.cfg.layer_kinds)
+    loss = [F.cross_entropy(y[0].float(), x[0, 1:]).item() for y in (got, want)]
+    assert loss[1] < 4.0 and abs(loss[0] - loss[1]) < 0.02 * loss[1], loss
 
 
 def test_the_language_model_loss_reaches_every_non_indexer_weight():

@@ -88,7 +88,7 @@ def _attention(a: Attention, x: torch.Tensor, cos_sin, b: int, t: int, causal: t
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
     else:
         pos = torch.arange(t, device=x.device)
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # (fp32 scores, as the engine's)
             scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), c.block_size)
             blocks = select_blocks(scores, pos.expand(b, t), c.block_size, c.topk_blocks, c.init_blocks,
                                    c.local_blocks)  # [B, n_kv, T, K]
