@@ -15,7 +15,7 @@ from engine.runtime.tokenizer import Tokenizer
 from tests.forward_utils import PagedModel
 from training.corpus import read_corpus
 from training.export import export_safetensors
-from training.forward import forward
+from training.forward import block_mass, forward
 from training.indexer import make_optimizer, step
 
 
@@ -108,3 +108,13 @@ def test_indexer_stage_moves_only_the_score_only_layers_index_rows():
         lo, hi = sum(a.splits[:2]), sum(a.splits[:4])  # the index q/k rows of the fused projection
         changed = (a.qkv_proj != before[f"layers.{i}.self_attn.qkv_proj"]).any(-1).nonzero().flatten()
         assert changed.min() >= lo and changed.max() < hi
+
+
+def test_block_mass_is_the_softmax_summed_by_key_block():
+    gen = torch.Generator().manual_seed(0)
+    b, heads, kv, t, d, bs = 2, 8, 2, 300, 32, 64  # the last block partial
+    q, k = torch.randn(b, heads, t, d, generator=gen), torch.randn(b, kv, t, d, generator=gen)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    p = torch.softmax((q @ k.repeat_interleave(heads // kv, 1).transpose(-1, -2) * d ** -0.5).masked_fill(~causal, float("-inf")), -1)
+    p = F.pad(p.view(b, kv, -1, t, t).sum(2), (0, -t % bs)).view(b, kv, t, -1, bs).sum(-1)
+    assert (block_mass(q, k, bs, d ** -0.5) - p / p.sum(-1, keepdim=True)).abs().max().item() < 1e-5

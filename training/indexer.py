@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -53,6 +54,7 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=2048)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--run-dir", type=Path, default=RUN_DIR, help="the joint stages' run (its ckpt.pt)")
     args = ap.parse_args()
     cfg = load_config(TINY)
     if args.seq_len <= (cfg.init_blocks + cfg.local_blocks + 1) * cfg.block_size:
@@ -61,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = MiniMaxM3Model(cfg)
     opt = make_optimizer(model, args.lr)
-    path, joint = RUN_DIR / "indexer.pt", torch.load(RUN_DIR / "ckpt.pt", weights_only=False)
+    path, joint = args.run_dir / "indexer.pt", torch.load(args.run_dir / "ckpt.pt", weights_only=False)
     saved = torch.load(path, weights_only=False) if path.exists() else None
     if saved is not None and saved["state"].get("joint_step") == joint["state"]["step"]:  # resume this stage
         opt.load_state_dict(saved["opt"])

@@ -2,6 +2,7 @@
 
     python -m training.train --hours 3          # resumes from training/runs/tiny/ckpt.pt if present
     python -m training.train --export-only       # write configs/tiny/model.safetensors from the checkpoint
+    python -m training.train --run-dir training/runs/more --init-from configs/tiny   # continue from weights
 
 Stories are joined with <|eos|> and packed into sequences of --seq-len tokens (several stories each,
 so that a sparse layer sees more blocks than it selects). Loss: next-token cross-entropy plus the
@@ -20,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.config_json import load_config
+from engine.model.loader import load_weights
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.tokenizer import Tokenizer
 from training.corpus import DEFAULT_DIR, read_corpus
@@ -99,15 +101,21 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kl-every", type=int, default=4, help="the indexer's distillation term on every n-th step")
     ap.add_argument("--export-only", action="store_true")
+    ap.add_argument("--run-dir", type=Path, default=RUN_DIR, help="where the checkpoint lives")
+    ap.add_argument("--init-from", type=Path, default=None,
+                    help="a checkpoint directory whose weights a new run starts from (instead of random ones)")
     args = ap.parse_args()
     if args.kl_every < 1:
         ap.error(f"--kl-every must be at least 1, got {args.kl_every}")
     torch.set_num_threads(args.threads)
-    RUN_DIR.mkdir(parents=True, exist_ok=True)
-    ckpt_path = RUN_DIR / "ckpt.pt"
+    args.run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt_path = args.run_dir / "ckpt.pt"
     cfg = load_config(TINY)
     model = MiniMaxM3Model(cfg)
-    init_weights(model)
+    if args.init_from is None:
+        init_weights(model)
+    else:
+        load_weights(model, args.init_from)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
     state = {"step": 0, "seconds": 0.0, "gen": torch.Generator().manual_seed(0).get_state(), "log": []}
     if ckpt_path.exists():
