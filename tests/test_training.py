@@ -112,7 +112,7 @@ def test_indexer_stage_moves_only_the_score_only_layers_index_rows():
 
 def test_block_mass_is_the_softmax_summed_by_key_block():
     gen = torch.Generator().manual_seed(0)
-    b, heads, kv, t, d, bs = 2, 8, 2, 300, 32, 64  # the last block partial
+    b, heads, kv, t, d, bs = 2, 8, 2, 300, 4, 64  # the last block partial; more blocks (5) than the head width
     q, k = torch.randn(b, heads, t, d, generator=gen), torch.randn(b, kv, t, d, generator=gen)
     causal = torch.ones(t, t, dtype=torch.bool).tril()
     p = torch.softmax((q @ k.repeat_interleave(heads // kv, 1).transpose(-1, -2) * d ** -0.5).masked_fill(~causal, float("-inf")), -1)

@@ -54,7 +54,8 @@ def _forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool, index
         x = x + _attention(layer.self_attn, y, (cos, sin), b, t, causal, aux, indexer_loss, indexer_only)
         y = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, MoE):
-            r, w = layer.mlp.route(y)
+            with torch.autocast(x.device.type, enabled=False):  # (fp32 routing, as the engine's: model.md §7.12)
+                r, w = layer.mlp.route(y)
             aux.routes.append(r)
             out = layer.mlp._grouped(y, r, w) * layer.mlp.scale
             x = x + (out if layer.mlp.shared is None else out + layer.mlp.shared(y))
@@ -125,12 +126,13 @@ def block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float) 
     """Causal attention mass per key block of each KV group's query heads, normalized: q [B, H, T, D], k [B, n_kv,
     T, D] -> [B, n_kv, T, nb] (fp32). NOTE: attention over one-hot block values, so no T x T matrix is built: a
     step of 4 x 2,048 tokens with the indexer's term 22 -> 11-14 s against softmax(q k^T) summed by block."""
-    b, kv, t, _ = k.shape
+    b, kv, t, d = k.shape
     nb = -(-t // block_size)
-    with torch.autocast(q.device.type, enabled=False):
-        onehot = F.one_hot(torch.arange(t, device=q.device) // block_size, nb).float()  # [T, nb]
-        mass = F.scaled_dot_product_attention(q.float(), k.float(), onehot.expand(b, kv, t, nb), is_causal=True,
-                                              scale=scale, enable_gqa=True)
+    onehot = F.one_hot(torch.arange(t, device=q.device) // block_size, nb + -nb % d).float()  # [T, nb padded]
+    with torch.autocast(q.device.type, enabled=False):  # (values as wide as the keys: SDPA's fused kernel)
+        mass = torch.cat([F.scaled_dot_product_attention(q.float(), k.float(), cols.expand(b, kv, t, d),
+                                                         is_causal=True, scale=scale, enable_gqa=True)
+                          for cols in onehot.split(d, dim=1)], dim=-1)[..., :nb]
     mass = mass.view(b, kv, -1, t, nb).sum(2)
     return mass / mass.sum(-1, keepdim=True)
 
@@ -153,7 +155,8 @@ def _indexer_kl(a: Attention, x: torch.Tensor, cos_sin, q: torch.Tensor, k: torc
         target = target / target.sum(-1, keepdim=True).clamp_min(1e-30)
     rows = F.linear(x.detach(), a.qkv_proj[sum(a.splits[:2]):sum(a.splits[:4])])  # index q, k only
     iq, ik = head(rows[:, :a.splits[2]], c.index_num_heads, a.index_q_norm), head(rows[:, a.splits[2]:], 1, a.index_k_norm)
-    scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), bs)  # [B, n_I, T, nb]
+    with torch.autocast(x.device.type, enabled=False):  # (fp32 scores, as the engine's)
+        scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), bs)  # [B, n_I, T, nb]
     logq = torch.log_softmax(scores.masked_fill(~free, NEG_INF), dim=-1)
     kl = torch.where(target > 0, target * (target.clamp_min(1e-30).log() - logq), torch.zeros_like(target))
     return kl.sum(-1)[:, :, free.any(-1)].mean(), mass
