@@ -82,8 +82,8 @@ tokenizer: $(TRAIN_VENV)/.installed
 # The stages the shipped weights were made in (each resumes the last; --hours counts the whole run):
 # 1.65 h at 1,024 tokens, to 2.65 h at 2,048, to 3.12 h at 2,048 with the indexer's term on every step;
 # 0.5 h of the score-only layers' indexers alone; then a second run from those weights on the whole corpus
-# (training/runs/more: 1.8 h at 2,048, the indexer's term every 2nd step, resumed to 2.15 h, then on a 4.4 h
-# schedule at a lower peak rate: the shipped weights stopped at 4.14 h of it).
+# (training/runs/more: 1.8 h at 2,048, the indexer's term every 2nd step, resumed to 2.15 h, then to 4.4 h
+# on a lower peak rate).
 MORE := --run-dir training/runs/more
 train: $(TRAIN_VENV)/.installed
 	$(TRAIN_PY) -m training.train --hours 1.65 --threads 2 --seq-len 1024 --batch 8
