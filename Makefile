@@ -84,15 +84,15 @@ tokenizer: $(TRAIN_VENV)/.installed
 # 0.5 h of the score-only layers' indexers alone; then a second run from those weights on the whole corpus
 # (training/runs/more: 1.8 h at 2,048, the indexer's term every 2nd step, resumed to 2.15 h, then to 4.4 h
 # on a lower peak rate).
-MORE := --run-dir training/runs/more
+MORE := --run-dir training/runs/more --threads 2 --seq-len 2048 --batch 4 --kl-every 2
 train: $(TRAIN_VENV)/.installed
 	$(TRAIN_PY) -m training.train --hours 1.65 --threads 2 --seq-len 1024 --batch 8
 	$(TRAIN_PY) -m training.train --hours 2.65 --threads 2 --seq-len 2048 --batch 4
 	$(TRAIN_PY) -m training.train --hours 3.12 --threads 2 --seq-len 2048 --batch 4 --kl-every 1
 	$(TRAIN_PY) -m training.indexer --hours 0.5 --threads 2
-	$(TRAIN_PY) -m training.train $(MORE) --init-from configs/tiny --hours 1.8 --threads 2 --seq-len 2048 --batch 4 --lr 1e-3 --kl-every 2
-	$(TRAIN_PY) -m training.train $(MORE) --hours 2.15 --threads 2 --seq-len 2048 --batch 4 --lr 1e-3 --kl-every 2
-	$(TRAIN_PY) -m training.train $(MORE) --hours 4.4 --threads 2 --seq-len 2048 --batch 4 --lr 5e-4 --kl-every 2
+	$(TRAIN_PY) -m training.train $(MORE) --init-from configs/tiny --hours 1.8 --lr 1e-3
+	$(TRAIN_PY) -m training.train $(MORE) --hours 2.15 --lr 1e-3
+	$(TRAIN_PY) -m training.train $(MORE) --hours 4.4 --lr 5e-4
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
