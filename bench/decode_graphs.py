@@ -43,10 +43,11 @@ PROMPT, NEW, RUNS = 128, 64, 5
 
 def read_bandwidth(nbytes: int, repeats: int = 20, buffers: int = 1) -> float:
     """Bytes/s of summing a float32 buffer of `nbytes` (a read-only pass, as a decode step's weights). With one
-    buffer, summed again and again, it is read from cache where it fits (the issue's roofline); with `buffers`
-    of them in turn, 8 x 31 MB for configs/tiny, from memory, as a decode step meets its weights: the routed
-    experts change from token to token, so the weights it may read (configs/tiny: 59 MB, fp32, the embedding aside)
-    do not stay in a 32 MB L3."""
+    buffer, summed again and again, it is read from cache where it fits (the roofline of the >= 50% target); with
+    `buffers` of them summed in turn (`repeats` rounds), 8 x 31 MB for configs/tiny, from memory, as a decode step
+    meets its weights: the routed experts change from token to token, so the weights it may read (configs/tiny: 59
+    MB, fp32, the embedding aside) do not stay in a 32 MB L3. A pessimistic bound: some weights (attention, the
+    shared expert) might stay in cache, which a batch-1 graph flushed first showed they mostly do not."""
     bufs = [torch.ones(max(1, int(nbytes) // 4)) for _ in range(buffers)]
     for b in bufs:
         b.sum()
