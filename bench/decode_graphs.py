@@ -42,12 +42,12 @@ PROMPT, NEW, RUNS = 128, 64, 5
 
 
 def read_bandwidth(nbytes: int, repeats: int = 20, buffers: int = 1) -> float:
-    """Bytes/s of summing a float32 buffer of `nbytes` (a read-only pass, as a decode step's weights). With one
-    buffer, summed again and again, it is read from cache where it fits (the roofline of the >= 50% target); with
-    `buffers` of them summed in turn (`repeats` rounds), 8 x 31 MB for configs/tiny, from memory, as a decode step
-    meets its weights: the routed experts change from token to token, so the weights it may read (configs/tiny: 59
-    MB, fp32, the embedding aside) do not stay in a 32 MB L3. A pessimistic bound: some weights (attention, the
-    shared expert) might stay in cache, which a batch-1 graph flushed first showed they mostly do not."""
+    """Bytes/s of summing a float32 buffer of `nbytes` (a read-only pass, as a decode step's weights). One buffer,
+    summed again and again, is read from cache where it fits (the roofline of the >= 50% target). `buffers` of them
+    summed in turn (`repeats` rounds; 8 x 31 MB for configs/tiny) are read from memory, as a decode step meets its
+    routed experts, which change from token to token (configs/tiny: 59 MB of fp32 weights, the embedding aside, for
+    a 32 MB L3). A pessimistic bound: the weights every token reads (attention, the shared expert, the dense MLPs)
+    may stay in cache in part."""
     bufs = [torch.ones(max(1, int(nbytes) // 4)) for _ in range(buffers)]
     for b in bufs:
         b.sum()
@@ -77,14 +77,16 @@ def batch1(copy_dir: Path) -> dict:
     b = decode_bytes_per_token(graphs.cfg, PROMPT + NEW / 2, 4)
     read_bw, copy_bw = read_bandwidth(b["total"]), measure_bandwidth().copy_bytes_per_s
     cold_bw = read_bandwidth(b["total"], repeats=5, buffers=8)
+
+    def share(bw: float) -> float:  # the captured step's share of a roofline: the time to move its bytes at bw
+        return (b["total"] / bw) * 1000 / ms["captured"]
+
     return {"ms_per_token": ms, "same_tokens": same, "bytes_per_token": b["total"],
             "read_bandwidth_gb_s": read_bw / 1e9, "copy_bandwidth_gb_s": copy_bw / 1e9,
-            "cold_read_bandwidth_gb_s": cold_bw / 1e9,
-            "fraction_of_cold_read_roofline": (b["total"] / cold_bw) * 1000 / ms["captured"],
+            "cold_read_bandwidth_gb_s": cold_bw / 1e9, "fraction_of_cold_read_roofline": share(cold_bw),
             "captured_vs_transformers": ms["transformers"] / ms["captured"],
             "captured_vs_eager": ms["eager"] / ms["captured"],
-            "fraction_of_read_roofline": (b["total"] / read_bw) * 1000 / ms["captured"],
-            "fraction_of_copy_roofline": (b["total"] / copy_bw) * 1000 / ms["captured"]}
+            "fraction_of_read_roofline": share(read_bw), "fraction_of_copy_roofline": share(copy_bw)}
 
 
 def step_ms(engines: tuple, rows: int, steps: int = 32) -> list[float]:
