@@ -37,7 +37,8 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> str:
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
         msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
-        parts.append(f"{loc or 'body'}: {msg}")
+        kind = err.get("type", "value_error")  # pydantic's own checks carry their type, as vLLM's messages do
+        parts.append(f"{loc or 'body'}: {msg}" + ("" if kind == "value_error" else f" [type={kind}]"))
     return "Invalid request: " + "; ".join(parts)
 
 

@@ -29,6 +29,7 @@ class ServerArgs:
     max_request_bytes: int = 1 << 20  # request bodies above this are refused before parsing (413)
     max_batch_size: int = 256  # prompts (x n) in one /generate or /v1 request
     max_logprobs: int = 20  # largest top_logprobs (chat) / logprobs x4 (completions) the OpenAI routes take
+    enable_cache_report: bool = False  # OpenAI usage: prompt_tokens_details.cached_tokens (else null)
 
     @property
     def model_name(self) -> str:
@@ -65,6 +66,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
     for f in fields(ServerArgs):
         if f.name != "engine":
             _add(p, f.name, getattr(server, f.name))
+    p.add_argument("--enable-prompt-tokens-details", action="store_true", dest="enable_cache_report",
+                   help="vLLM's name for --enable-cache-report")
     ns = vars(p.parse_args(argv))
     names = {f.name for f in fields(EngineArgs)}
     engine = EngineArgs(**{k: v for k, v in ns.items() if k in names})

@@ -18,13 +18,13 @@ WEIGHT_VERSION = "default"
 
 
 class UsageInfo(BaseModel):
-    """OpenAI's usage object, exactly its fields (reasoning tokens go in completion_tokens_details)."""
+    """OpenAI's usage object; prompt_tokens_details (cached tokens) only with --enable-cache-report, as SGLang and
+    vLLM: without it the object equals the client's CompletionUsage(prompt_tokens, completion_tokens, total_tokens)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: dict[str, int] | None = None
-    completion_tokens_details: dict[str, int] = Field(default_factory=lambda: {"reasoning_tokens": 0})
 
 
 class CompletionLogprobs(BaseModel):
@@ -40,8 +40,7 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = None
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Field(  # vLLM's extension, only when asked
-        default=None, exclude_if=lambda v: v is None)
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension (null unless asked)
 
 
 class _Response(BaseModel):
@@ -91,8 +90,7 @@ class ChatCompletionResponse(_Response):
     object: str = "chat.completion"
     choices: list[ChatChoice]
     usage: UsageInfo
-    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = Field(  # vLLM's extension, only when asked
-        default=None, exclude_if=lambda v: v is None)
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension (null unless asked)
     metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})
 
 
@@ -118,13 +116,13 @@ def finish_fields(reason: dict[str, Any] | None) -> tuple[str | None, int | str 
     return kind, reason.get("matched") if kind == "stop" else None
 
 
-def usage_of(prompt_lens: list[int], joined: list[JoinedOutput], n: int) -> UsageInfo:
+def usage_of(prompt_lens: list[int], joined: list[JoinedOutput], n: int, cache_report: bool) -> UsageInfo:
     """Each prompt counted once (not once per sample); every sample's generated tokens counted."""
     prompt = sum(prompt_lens)
     completion = sum(len(j.output_ids) for j in joined)
     cached = sum(j.last.cached_tokens for k, j in enumerate(joined) if j.last is not None and k % n == 0)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached})
+                     prompt_tokens_details={"cached_tokens": cached} if cache_report else None)
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:
@@ -162,13 +160,11 @@ def chat_logprobs(tok: Tokenizer, lp: Logprobs) -> list[TokenLogprob]:
             for (v, t), top in zip(lp.output_token, tops)]
 
 
-def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, asked: int, cap: int
-                    ) -> list[dict[str, dict[str, Any]] | None] | None:
+def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, k: int) -> list[dict[str, dict[str, Any]] | None] | None:
     """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the prompt token and `asked` alternatives (-1: as many as `cap`)."""
+    decoded_token}} for the prompt token and `k` alternatives."""
     if lp is None:
         return None
-    k = cap if asked == -1 else asked
     out: list[dict[str, dict[str, Any]] | None] = []
     for (v, t), top, rank in zip(lp.input_token, lp.input_top or [None] * len(lp.input_token), lp.input_rank):
         if v is None:

@@ -29,7 +29,7 @@ class SamplingFields(BaseModel):
     repetition_penalty: float | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**63 - 1)  # int64, as vLLM (its errors name the bound)
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     min_tokens: int | None = None
@@ -40,16 +40,9 @@ class SamplingFields(BaseModel):
     json_schema: str | None = None
     ebnf: str | None = None
     rid: str | None = None
-    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens (-1: up to the cap)
+    prompt_logprobs: int | None = None  # vLLM's extension: logprobs of the prompt tokens (-1: the whole vocabulary)
     best_of: int | None = None
     use_beam_search: bool | None = None
-
-    @field_validator("seed")
-    @classmethod
-    def _seed(cls, v: int | None) -> int | None:
-        if v is not None and not -(2**63) <= v < 2**63:
-            raise ValueError(f"seed must be a 64-bit signed integer, in [-2**63, 2**63 - 1], got {v}")
-        return v
 
     @field_validator("max_tokens", "max_completion_tokens", check_fields=False)
     @classmethod

@@ -40,17 +40,17 @@ def _sse(model: BaseModel, drop: set[str] | None = None) -> str:
 class _Shaper:
     route = ""
 
-    def __init__(self, sub: Submission, req: Any, tok: Tokenizer, prompts: list[list[int]], max_logprobs: int) -> None:
-        self.sub, self.req, self.tok, self.max_logprobs = sub, req, tok, max_logprobs
+    def __init__(self, sub: Submission, req: Any, tok: Tokenizer, prompts: list[list[int]], cache_report: bool) -> None:
+        self.sub, self.req, self.tok, self.cache_report = sub, req, tok, cache_report
         self.prompt_lens, self.n = [len(p) for p in prompts], req.n or 1
         self.head = {"id": sub.id, "created": int(time.time()), "model": req.model}
 
     def usage(self, joined: list | None = None) -> Any:
-        return usage_of(self.prompt_lens, self.sub.joined if joined is None else joined, self.n)
+        return usage_of(self.prompt_lens, self.sub.joined if joined is None else joined, self.n, self.cache_report)
 
     def prompt_logprobs(self, joined: Any) -> Any:
         k = self.req.prompt_logprobs
-        return None if k is None else prompt_logprobs(self.tok, joined.logprobs, k, self.max_logprobs)
+        return None if k is None else prompt_logprobs(self.tok, joined.logprobs, k)
 
     def head_frames(self) -> tuple[str, ...]:
         return ()
@@ -71,8 +71,8 @@ class CompletionShaper(_Shaper):
     route = "/v1/completions"
 
     def __init__(self, sub: Submission, req: CompletionRequest, tok: Tokenizer, prompts: list[list[int]],
-                 given: list[Any], max_logprobs: int) -> None:
-        super().__init__(sub, req, tok, prompts, max_logprobs)
+                 given: list[Any], cache_report: bool) -> None:
+        super().__init__(sub, req, tok, prompts, cache_report)
         self.echo = bool(req.echo)
         self.texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in given]
         self.offsets = [0] * len(sub.rids)  # text_offset of each sequence's next token
@@ -93,7 +93,10 @@ class CompletionShaper(_Shaper):
         if not (text or out.finished or (c.logprobs and c.logprobs.tokens)):
             return None
         usage = self.usage() if self.req.continuous_usage else None
-        return _sse(CompletionResponse(**self.head, choices=[c], usage=usage), {"metadata"} | (set() if usage else {"usage"}))
+        drop: dict[str, Any] = {"metadata": True} | ({} if usage else {"usage": True})
+        if c.prompt_logprobs is None:  # vLLM's key, in a stream only where asked
+            drop["choices"] = {0: {"prompt_logprobs"}}
+        return _sse(CompletionResponse(**self.head, choices=[c], usage=usage), drop)
 
     def tail(self):
         if self.req.include_usage:
@@ -119,14 +122,17 @@ class ChatShaper(_Shaper):
                      for i in range(len(self.sub.rids)))
 
     def frame(self, i: int, out: Any) -> str | None:
-        lines = []
+        """The new content, then the finish in a chunk of its own (SGLang's and OpenAI's shape). With vLLM's
+        continuous_usage_stats the last content chunk carries the finish, so every chunk's count rises."""
+        lines, one = [], self.req.continuous_usage
         entries = chat_logprobs(self.tok, out.logprobs) if self.req.logprobs and out.logprobs else []
-        if out.new_text or entries:
+        ends = dict(zip(("finish_reason", "matched_stop"), finish_fields(out.finish_reason if out.finished else None)))
+        if out.new_text or entries or (one and out.finished):
             lp = ChoiceLogprobs(content=entries) if self.req.logprobs else None
-            lines.append(self.chunk(ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp)))
-        if out.finished:
-            fr, matched = finish_fields(out.finish_reason)
-            lines.append(self.chunk(ChatStreamChoice(index=i, delta={}, finish_reason=fr, matched_stop=matched)))
+            lines.append(self.chunk(ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp,
+                                                     **(ends if one else {}))))
+        if out.finished and not one:
+            lines.append(self.chunk(ChatStreamChoice(index=i, delta={}, **ends)))
         return "".join(lines) or None
 
     def tail(self):

@@ -67,23 +67,24 @@ def _check(state: ServerState, req: SamplingFields) -> Tokenizer:
     if req.model != state.args.model_name and req.model not in MODEL_ALIASES:
         raise ApiError(404, f"The model '{req.model}' does not exist (this server serves '{state.args.model_name}').",
                        {"param": "model"})
-    cap = state.args.max_logprobs
-    if req.prompt_logprobs is not None and not (req.prompt_logprobs == -1 or 0 <= req.prompt_logprobs <= cap):
-        raise ApiError(400, f"prompt_logprobs must be -1 or in [0, {cap}] (--max-logprobs), got {req.prompt_logprobs}.",
-                       {"param": "prompt_logprobs"})
+    if (k := req.prompt_logprobs) is not None:  # vLLM's -1 is the whole vocabulary, checked like any other count
+        req.prompt_logprobs = k = state.engine.cfg.vocab_size if k == -1 else k
+        if not 0 <= k <= state.args.max_logprobs:
+            raise ApiError(400, f"prompt_logprobs: Requested prompt logprobs of {k}, which is " + (
+                "negative (give -1 or a count)" if k < 0 else f"greater than max allowed: {state.args.max_logprobs}"),
+                {"param": "prompt_logprobs"})
     if state.engine.tokenizer is None:
         raise ApiError(400, "the OpenAI routes need a tokenizer; this server runs with --skip-tokenizer-init.")
     return state.engine.tokenizer
 
 
-def _logprob(state: ServerState, req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions | None:
+def _logprob(req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions | None:
     """Logprob options: `top` alternatives per output token (None: no logprobs), prompt logprobs for
-    echo or vLLM's prompt_logprobs (-1 meaning as many as --max-logprobs allows)."""
+    echo or vLLM's prompt_logprobs."""
     if top is None and req.prompt_logprobs is None:
         return None
-    prompt_top = state.args.max_logprobs if req.prompt_logprobs == -1 else (req.prompt_logprobs or 0)
-    start = 0 if echo or req.prompt_logprobs is not None else -1
-    return LogprobOptions(True, start, max(top or 0, prompt_top if req.prompt_logprobs is not None else 0))
+    return LogprobOptions(True, 0 if echo or req.prompt_logprobs is not None else -1,
+                          max(top or 0, req.prompt_logprobs or 0))
 
 
 def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], max_new: int | None,
@@ -119,9 +120,8 @@ async def completions(request: Request) -> Response:
     max_tokens, cap = req.max_tokens, state.args.engine.max_new_tokens_cap
     if "max_tokens" not in req.model_fields_set and cap is not None and max_tokens is not None:
         max_tokens = min(max_tokens, cap)  # the default (16) yields to the server's cap; explicit values do not
-    sub = _submit(state, req, prompts, max_tokens, _logprob(state, req, req.logprobs, bool(req.echo)),
-                  "/v1/completions")
-    return await CompletionShaper(sub, req, tok, prompts, given, state.args.max_logprobs).respond(request)
+    sub = _submit(state, req, prompts, max_tokens, _logprob(req, req.logprobs, bool(req.echo)), "/v1/completions")
+    return await CompletionShaper(sub, req, tok, prompts, given, state.args.enable_cache_report).respond(request)
 
 
 # ---- /v1/chat/completions --------------------------------------------------------------------------------
@@ -138,5 +138,5 @@ async def chat_completions(request: Request) -> Response:
     prompt = chat_prompt_ids(tok, req)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sub = _submit(state, req, [prompt], max_new, _logprob(state, req, top, False), "/v1/chat/completions")
-    return await ChatShaper(sub, req, tok, [prompt], state.args.max_logprobs).respond(request)
+    sub = _submit(state, req, [prompt], max_new, _logprob(req, top, False), "/v1/chat/completions")
+    return await ChatShaper(sub, req, tok, [prompt], state.args.enable_cache_report).respond(request)

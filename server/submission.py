@@ -80,8 +80,9 @@ class Submission:
             self.close()
 
     def close(self) -> None:
-        """Abort every sequence that has not finished (idempotent)."""
+        """Abort every sequence that has not finished (idempotent), logged in SGLang's words."""
         for i in sorted(self._open):
+            logger.info("Request is disconnected from the client side. Abort request rid=%s", self.rids[i])
             self.ae.abort(self.rids[i])
             self._done(i, CLIENT_CLOSED)
 

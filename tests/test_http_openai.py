@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import httpx
 import openai
 import pytest
+from openai.types import CompletionUsage
 from starlette.requests import ClientDisconnect
 
 from engine.runtime.request import RequestOutput
@@ -134,15 +135,12 @@ def test_completion_raw_shape(http: httpx.Client, tok: Tokenizer) -> None:
     assert r.status_code == 200, body
     assert set(body) == {"id", "object", "created", "model", "choices", "usage", "metadata"}
     assert body["model"] == "default" and body["metadata"] == {"weight_version": "default"}
-    usage = body["usage"]  # exactly OpenAI's fields
-    assert set(usage) == {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details",
-                          "completion_tokens_details"}
-    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
-        len(tok.encode(PROMPT)), 4, len(tok.encode(PROMPT)) + 4)
-    assert set(usage["prompt_tokens_details"]) == {"cached_tokens"}
-    assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
+    n = len(tok.encode(PROMPT))  # OpenAI's fields; no cached-token details without --enable-cache-report
+    assert body["usage"] == {"prompt_tokens": n, "completion_tokens": 4, "total_tokens": n + 4,
+                             "prompt_tokens_details": None}
     choice = body["choices"][0]
-    assert set(choice) == {"index", "text", "logprobs", "finish_reason", "matched_stop"}
+    assert set(choice) == {"index", "text", "logprobs", "finish_reason", "matched_stop", "prompt_logprobs"}
+    assert choice["prompt_logprobs"] is None  # vLLM's key, null when not asked
     assert (choice["finish_reason"], choice["matched_stop"]) == ("length", None)
     lp = choice["logprobs"]
     assert set(lp) == {"text_offset", "token_logprobs", "tokens", "top_logprobs"}
@@ -219,7 +217,8 @@ def test_chat_raw_shape(http: httpx.Client) -> None:
     r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_completion_tokens": 3, "ignore_eos": True})
     body = r.json()
     assert r.status_code == 200, body
-    assert set(body) == {"id", "object", "created", "model", "choices", "usage", "metadata"}
+    assert set(body) == {"id", "object", "created", "model", "choices", "usage", "metadata", "prompt_logprobs"}
+    assert body["prompt_logprobs"] is None
     choice = body["choices"][0]
     assert choice["message"] == {"role": "assistant", "content": choice["message"]["content"],
                                  "reasoning_content": None, "tool_calls": None}
@@ -266,13 +265,45 @@ def test_chat_stream_framing(http: httpx.Client, oai: openai.OpenAI) -> None:
     assert roles == ["assistant"] and finishes == ["length"]
 
 
-def test_continuous_usage_stats(http: httpx.Client) -> None:
-    r = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 3, "stream": True, "ignore_eos": True,
-                                                "stream_options": {"include_usage": True,
-                                                                   "continuous_usage_stats": True}})
-    frames = sse_frames(r)
-    assert all("usage" in f for f in frames)
-    assert [f["usage"]["completion_tokens"] for f in frames][-2:] == [3, 3]
+def test_usage_equals_the_clients_completion_usage(oai: openai.OpenAI, tok: Tokenizer) -> None:
+    """vLLM's tests compare usage with CompletionUsage(...): pydantic's equality counts every extra field."""
+    n = len(tok.encode(PROMPT))
+    c = oai.completions.create(model="default", prompt=PROMPT, max_tokens=5, extra_body={"ignore_eos": True})
+    assert c.usage == CompletionUsage(prompt_tokens=n, completion_tokens=5, total_tokens=n + 5)
+    assert not c.usage.model_extra and c.usage.prompt_tokens_details is None
+    assert c.choices[0].prompt_logprobs is None  # vLLM's key, sent as null when not asked
+    chat = oai.chat.completions.create(model="default", messages=CHAT, max_completion_tokens=5,
+                                       extra_body={"ignore_eos": True})
+    m = chat_prompt_len(tok, CHAT)
+    assert chat.usage == CompletionUsage(prompt_tokens=m, completion_tokens=5, total_tokens=m + 5)
+    assert chat.prompt_logprobs is None
+    *_, last = oai.chat.completions.create(model="default", messages=CHAT, max_tokens=3, stream=True,
+                                           stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    assert last.choices == [] and last.usage == CompletionUsage(prompt_tokens=m, completion_tokens=3, total_tokens=m + 3)
+
+
+def test_continuous_usage_stats(http: httpx.Client, oai: openai.OpenAI) -> None:
+    """vLLM's shape (its extension): usage on every chunk, rising on every chunk with choices, so the last token's
+    chunk carries the finish; the usage chunk repeats the count. Without it the finish has a chunk of its own."""
+    opts = {"include_usage": True, "continuous_usage_stats": True}
+    kw = {"model": "default", "messages": CHAT, "max_completion_tokens": 10, "temperature": 0,
+          "extra_body": {"min_tokens": 10}}
+    chunks = list(oai.chat.completions.create(**kw, stream=True, stream_options=opts))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and chunks[0].choices[0].delta.role == "assistant"
+    assert all(b > a for a, b in zip(counts, counts[1:-1])) and counts[-2:] == [10, 10], counts
+    assert all(c.usage.total_tokens == c.usage.prompt_tokens + c.usage.completion_tokens for c in chunks)
+    finished = [c for c in chunks if c.choices and c.choices[0].finish_reason is not None]
+    assert finished == [chunks[-2]] and finished[0].choices[0].delta.content is not None
+    assert chunks[-1].choices == []
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == oai.chat.completions.create(**kw).choices[0].message.content
+    frames = sse_frames(http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 4, "stream": True,
+                                                           "ignore_eos": True, "stream_options": opts}))
+    counts = [f["usage"]["completion_tokens"] for f in frames]
+    assert counts[0] >= 1 and all(b > a for a, b in zip(counts, counts[1:-1])) and counts[-2:] == [4, 4], counts
+    assert frames[-2]["choices"][0]["finish_reason"] == "length" and frames[-1]["choices"] == []
+    assert all("prompt_logprobs" not in c for f in frames for c in f["choices"])
 
 
 def test_greedy_chat_stream_equals_non_stream(http: httpx.Client, oai: openai.OpenAI) -> None:
@@ -411,6 +442,7 @@ def test_client_disconnect_aborts(server: LiveServer, http: httpx.Client, stream
             with pytest.raises(httpx.ReadTimeout):
                 c.post("/v1/chat/completions", json=body)
     assert _rid_frees_up(http, rid)  # 20000 tokens would take far longer than 5 s
+    assert server.logs().count(f"Abort request rid={rid}") == 1  # the line SGLang's leak checks look for
 
 
 # ---- in-process: the stream machinery with a stand-in engine -----------------------------------------

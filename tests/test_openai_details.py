@@ -1,31 +1,35 @@
 """The OpenAI details that OpenAI's API, vLLM and SGLang define and their clients check, on a live
-server started with `--max-logprobs 7 --served-model-name tiny`: logprob limits (the flag), logprobs=0,
-stream_options without stream, the usage fields, seed's int64 range, unknown models, duplicate request
-ids, vLLM's prompt_logprobs, unsupported parameters, and one access-log line per request.
+server started with `--max-logprobs 7 --served-model-name tiny --enable-cache-report`: logprob limits (the
+flag), logprobs=0, stream_options without stream, the usage fields with cached-token details, seed's int64
+range, unknown models, duplicate request ids, vLLM's prompt_logprobs, unsupported parameters, and one
+access-log line per request.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from engine.runtime.tokenizer import Tokenizer
+from server.args import parse_args
 from tests.server_utils import TINY, LiveServer, live_server
 
 MAX_LOGPROBS = 7
 MSG = [{"role": "user", "content": "Tell me a story."}]
-USAGE = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details", "completion_tokens_details"}
+USAGE = {"prompt_tokens", "completion_tokens", "total_tokens", "prompt_tokens_details"}
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LiveServer]:
-    with live_server("--max-logprobs", str(MAX_LOGPROBS), "--served-model-name", "tiny") as srv:
+    with live_server("--max-logprobs", str(MAX_LOGPROBS), "--served-model-name", "tiny", "--enable-cache-report") as srv:
         yield srv
 
 
@@ -74,23 +78,38 @@ def test_stream_options_needs_stream(http):
             refused(send(http, stream_options={"include_usage": True}, **stream), 400, "stream_options")
 
 
-def test_usage_has_exactly_openais_fields(http, server):
-    for r in (completion(http), chat(http)):
-        usage = r.json()["usage"]
+def test_cache_report_fills_the_cached_tokens(http, server):
+    prompt = "A prompt long enough to leave whole pages in the prefix cache for the second request to reuse. " * 4
+    first, again = (completion(http, prompt=prompt).json()["usage"] for _ in range(2))
+    for usage in (first, again, chat(http).json()["usage"]):
         assert set(usage) == USAGE and usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
         assert set(usage["prompt_tokens_details"]) == {"cached_tokens"}
-        assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
+    assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"]
     client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
     chunks = list(client.chat.completions.create(model="tiny", messages=MSG, max_tokens=3, stream=True,
                                                  stream_options={"include_usage": True}))
-    assert chunks[-1].choices == [] and set(chunks[-1].usage.model_dump()) == USAGE
+    usage = chunks[-1].usage
+    assert chunks[-1].choices == [] and not usage.model_extra and usage.prompt_tokens_details.cached_tokens >= 0
+    assert not usage.prompt_tokens_details.model_extra
 
 
-def test_seed_must_fit_int64(http):
-    for seed in (2 ** 63, -(2 ** 63) - 1):
-        refused(completion(http, seed=seed), 400, "seed")
-        refused(chat(http, seed=seed), 400, "seed")
+def test_cache_report_flag_has_vllms_name_too():
+    assert not parse_args([]).enable_cache_report
+    assert parse_args(["--enable-cache-report"]).enable_cache_report
+    assert parse_args(["--enable-prompt-tokens-details"]).enable_cache_report
+
+
+def test_seed_must_fit_int64(http, server):
+    """A 400 naming the field, with pydantic's error type in the message: vLLM's test looks for it."""
+    for seed, kind in ((2 ** 63, "less_than_equal"), (-(2 ** 63) - 1, "greater_than_equal")):
+        refused(completion(http, seed=seed), 400, "seed", kind)
+        refused(chat(http, seed=seed), 400, "seed", kind)
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=MSG, seed=2 ** 63)
+    assert "less_than_equal" in err.value.message
     assert completion(http, seed=2 ** 63 - 1).status_code == 200
+    assert completion(http, seed=-(2 ** 63)).status_code == 200
 
 
 def test_unknown_model_is_a_404_unless_served_or_an_alias(http, server):
@@ -114,11 +133,11 @@ def test_a_request_id_in_flight_is_refused(http, server, route):
         lines.close()
 
 
-def test_prompt_logprobs_in_vllms_shape(http):
+def test_prompt_logprobs_in_vllms_shape(http, server):
     tok = Tokenizer.from_dir(TINY)
     prompt = "Once upon a time there was"
     ids = tok.encode(prompt)
-    for k in (2, -1):
+    for k in (2, MAX_LOGPROBS):
         r = completion(http, prompt=prompt, prompt_logprobs=k, max_tokens=1).json()
         plp = r["choices"][0]["prompt_logprobs"]
         assert len(plp) == len(ids) and plp[0] is None
@@ -128,14 +147,26 @@ def test_prompt_logprobs_in_vllms_shape(http):
             assert own["rank"] >= 1 and own["logprob"] <= 0 and own["decoded_token"] == tok.decode([ids[pos]])
             tops = sorted((e for t, e in entry.items() if t != str(ids[pos]) or e["rank"] <= abs(k)),
                           key=lambda e: e["rank"])
-            want = MAX_LOGPROBS if k == -1 else k
+            want = k
             assert [e["rank"] for e in tops][:want] == list(range(1, want + 1))
             assert len(entry) in (want, want + 1)
             assert all(math.isfinite(e["logprob"]) for e in entry.values())
     c = chat(http, prompt_logprobs=1, max_tokens=1).json()
     assert c["prompt_logprobs"][0] is None and all(len(e) in (1, 2) for e in c["prompt_logprobs"][1:])
     refused(completion(http, prompt_logprobs=MAX_LOGPROBS + 1), 400, "prompt_logprobs", str(MAX_LOGPROBS))
-
+    refused(completion(http, prompt_logprobs=-2), 400, "prompt_logprobs")
+    vocab = json.loads((Path(TINY) / "config.json").read_text())["vocab_size"]
+    for send in (completion, chat):  # vLLM: -1 asks for the whole vocabulary, which the cap refuses
+        body = refused(send(http, prompt_logprobs=-1), 400,
+                       f"Requested prompt logprobs of {vocab}, which is greater than max allowed: {MAX_LOGPROBS}")
+        assert body["param"] == "prompt_logprobs"
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=MSG, extra_body={"prompt_logprobs": -1})
+    asked = client.chat.completions.create(model="tiny", messages=MSG, max_tokens=1, extra_body={"prompt_logprobs": 0})
+    assert asked.prompt_logprobs[0] is None and all(len(e) == 1 for e in asked.prompt_logprobs[1:])
+    plain = client.completions.create(model="tiny", prompt=[prompt, "Hi"], max_tokens=1)
+    assert [c.prompt_logprobs for c in plain.choices] == [None, None]
 
 def test_unimplemented_parameters_are_refused(http):
     refused(completion(http, best_of=2), 400, "best_of")
