@@ -6,6 +6,7 @@ import asyncio
 import hmac
 import logging
 import time
+import uuid
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -131,19 +132,21 @@ def create_app(state: ServerState) -> FastAPI:
 
     async def on_error(request: Request, exc: Exception) -> JSONResponse:
         """Every error in its path's envelope: 400 for bad input, ApiError's or HTTPException's status, 503 for a
-        dead engine, 500 (logged) for anything else."""
+        dead engine, 500 for anything else (a server bug: logged with its traceback under an id the client gets)."""
         if isinstance(exc, RequestValidationError):
             return refused(request, 400, _validation_message(exc, request.headers.get("content-type", "")))
         if isinstance(exc, ApiError):
             return refused(request, exc.status, exc.message, exc.extra, logged=exc.logged)
         if isinstance(exc, StarletteHTTPException):
             return refused(request, exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
-        if isinstance(exc, (ValueError, EngineDeadError)):
-            return refused(request, 503 if isinstance(exc, EngineDeadError) else 400, str(exc))
-        logger.exception("unhandled error on %s", request.url.path)
-        return refused(request, 500, f"internal server error: {type(exc).__name__}")
+        if isinstance(exc, EngineDeadError):
+            return refused(request, 503, str(exc))
+        rid = uuid.uuid4().hex
+        logger.error("internal error (request id %s) on %s", rid, request.url.path, exc_info=exc)
+        return refused(request, 500, f"internal server error: {type(exc).__name__} (request id {rid})",
+                       headers={"X-Request-Id": rid})
 
-    for exc_type in (RequestValidationError, ApiError, ValueError, EngineDeadError, StarletteHTTPException, Exception):
+    for exc_type in (RequestValidationError, ApiError, EngineDeadError, StarletteHTTPException, Exception):
         app.add_exception_handler(exc_type, on_error)
 
     @app.get("/health")

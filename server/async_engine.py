@@ -1,6 +1,6 @@
 """The bridge between the asyncio event loop and the engine thread: `submit` queues requests in the engine (its
-ValueError is the client's 400) and opens one `Channel` for their samples; the engine thread sleeps until there
-is work, runs `Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
+validation's ValueError is the client's BadRequest) and opens one `Channel` for their samples; the engine thread
+sleeps until there is work, runs `Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
 
 NOTE: the engine thread is the only thread that runs torch: it builds the engine, warms it up and
 steps it. libgomp gives every thread that runs a parallel region an OpenMP pool of its own, and once
@@ -21,6 +21,7 @@ from concurrent.futures import Future
 
 from engine.runtime.engine import Engine
 from engine.runtime.request import NewRequest, RequestOutput
+from server.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 
@@ -154,13 +155,16 @@ class AsyncEngine:
 
     # ---- requests (event-loop thread) ---------------------------------------------------------------
     def submit(self, reqs: list[NewRequest]) -> tuple[list[str], Channel]:
-        """Queue every request or none (ValueError for the client). Returns every sample's rid (request
+        """Queue every request or none (BadRequest for the client). Returns every sample's rid (request
         by request, n samples each) and the channel their outputs arrive on, indexed in that order."""
         if not self.accepting:
             raise EngineDeadError("the server is shutting down")
         if not self.alive:
             raise EngineDeadError("the engine is not running")
-        rids = [r for group in self.engine.add_requests(reqs, self.max_sequences) for r in group]
+        try:
+            rids = [r for group in self.engine.add_requests(reqs, self.max_sequences) for r in group]
+        except ValueError as e:  # add_requests validates and queues: its ValueError is the request's fault
+            raise BadRequest(str(e)) from None
         channel = Channel()
         self._routes.update({r: (channel, i) for i, r in enumerate(rids)})
         if self.on_submit is not None:

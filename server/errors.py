@@ -20,6 +20,14 @@ class ApiError(Exception):
         self.logged = False  # True once the request's access-log line is written
 
 
+class BadRequest(ApiError):
+    """The client's input is invalid (a 400 naming the field). A validator's ValueError becomes one where the
+    validator is called; any other ValueError is a server bug: a 500."""
+
+    def __init__(self, message: str, extra: dict | None = None) -> None:
+        super().__init__(400, message, extra)
+
+
 def media_type(content_type: str) -> str:
     """'Application/JSON; charset=utf-8' -> 'application/json'."""
     return content_type.split(";", 1)[0].strip().lower()

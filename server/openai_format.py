@@ -9,8 +9,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from engine.runtime.request import JoinedOutput, Logprobs
-from engine.runtime.tokenizer import Tokenizer
-from server.errors import ApiError
+from engine.runtime.tokenizer import ChatTemplateError, Tokenizer
+from server.errors import ApiError, BadRequest
 from server.openai_protocol import ChatCompletionRequest
 
 _RESERVED_TEMPLATE_KEYS = ("messages", "add_generation_prompt")
@@ -18,8 +18,7 @@ WEIGHT_VERSION = "default"
 
 
 class UsageInfo(BaseModel):
-    """OpenAI's usage object; prompt_tokens_details (cached tokens) only with --enable-cache-report, as SGLang and
-    vLLM: without it the object equals the client's CompletionUsage(prompt_tokens, completion_tokens, total_tokens)."""
+    """OpenAI's usage object; prompt_tokens_details (cached tokens) null unless --enable-cache-report (SGLang, vLLM)."""
 
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -160,10 +159,10 @@ def chat_logprobs(tok: Tokenizer, lp: Logprobs) -> list[TokenLogprob]:
             for (v, t), top in zip(lp.output_token, tops)]
 
 
-def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, k: int) -> list[dict[str, dict[str, Any]] | None] | None:
-    """vLLM's `prompt_logprobs`: per prompt position None (the first) or {token id: {logprob, rank,
-    decoded_token}} for the prompt token and `k` alternatives."""
-    if lp is None:
+def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, k: int | None) -> list[dict[str, dict[str, Any]] | None] | None:
+    """vLLM's `prompt_logprobs` (None unless asked): per prompt position None (the first) or {token id: {logprob,
+    rank, decoded_token}} for the prompt token and `k` alternatives."""
+    if k is None or lp is None:
         return None
     out: list[dict[str, dict[str, Any]] | None] = []
     for (v, t), top, rank in zip(lp.input_token, lp.input_top or [None] * len(lp.input_token), lp.input_rank):
@@ -183,14 +182,18 @@ def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
     and the prompt is cut there, so the model continues the message's text."""
     messages = [m.model_dump() for m in req.messages]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KEYS}
+    def render(msgs: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        try:
+            return tok.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
+        except ChatTemplateError as e:  # the template's raise_exception: the messages' fault
+            raise BadRequest(str(e)) from None
+
     if not req.continue_final_message:
-        return tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True, **kwargs),
-                          add_special_tokens=False)
+        return tok.encode(render(messages, True), add_special_tokens=False)
     if messages[-1]["role"] != "assistant":
         raise ApiError(400, "continue_final_message needs the last message to have role 'assistant'.")
     sentinel = f"<<continue-{uuid.uuid4().hex}>>"
-    rendered = tok.apply_chat_template([*messages[:-1], {**messages[-1], "content": sentinel}],
-                                       add_generation_prompt=False, **kwargs)
+    rendered = render([*messages[:-1], {**messages[-1], "content": sentinel}], False)
     cut = rendered.find(sentinel)
     if cut < 0:
         raise ApiError(400, "the chat template drops the final message's content; cannot continue it.")

@@ -68,9 +68,9 @@ class SamplingFields(BaseModel):
             return "use_beam_search is not supported by this server (no beam search); remove it."
         return None
 
-    def sampling_dict(self, max_new_tokens: int | None) -> dict[str, Any]:
-        """SamplingParams keys (`SamplingParams.from_dict` treats None as "use the default")."""
-        return {"max_new_tokens": max_new_tokens, "min_new_tokens": self.min_tokens, "n": self.n,
+    def sampling_dict(self) -> dict[str, Any]:
+        """SamplingParams keys but max_new_tokens (`SamplingParams.from_dict` treats None as "use the default")."""
+        return {"min_new_tokens": self.min_tokens, "n": self.n,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
                 "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
                 "repetition_penalty": self.repetition_penalty, "stop": self.stop,

@@ -33,7 +33,7 @@ from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
 
 
-def _sse(model: BaseModel, drop: set[str] | None = None) -> str:
+def _sse(model: BaseModel, drop: Any = None) -> str:
     return f"data: {model.model_dump_json(exclude=drop)}\n\n"
 
 
@@ -47,10 +47,6 @@ class _Shaper:
 
     def usage(self, joined: list | None = None) -> Any:
         return usage_of(self.prompt_lens, self.sub.joined if joined is None else joined, self.n, self.cache_report)
-
-    def prompt_logprobs(self, joined: Any) -> Any:
-        k = self.req.prompt_logprobs
-        return None if k is None else prompt_logprobs(self.tok, joined.logprobs, k)
 
     def head_frames(self) -> tuple[str, ...]:
         return ()
@@ -83,8 +79,9 @@ class CompletionShaper(_Shaper):
         if self.req.logprobs is not None and lp is not None:
             logprobs, self.offsets[i] = completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
         fr, matched = finish_fields(reason)
+        plp = prompt_logprobs(self.tok, joined.logprobs, self.req.prompt_logprobs) if reason is not None else None
         return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=fr, matched_stop=matched,
-                                prompt_logprobs=self.prompt_logprobs(joined) if reason is not None else None)
+                                prompt_logprobs=plp)
 
     def frame(self, i: int, out: Any) -> str | None:
         text = (self.texts[i // self.n] if self.echo and not self.started[i] else "") + out.new_text
@@ -147,4 +144,4 @@ class ChatShaper(_Shaper):
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=j.text), logprobs=lp,
                                       finish_reason=fr, matched_stop=matched))
         return ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(joined),
-                                      prompt_logprobs=self.prompt_logprobs(joined[0]))
+                                      prompt_logprobs=prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs))

@@ -19,7 +19,7 @@ from engine.runtime.sampling_params import SamplingParams
 from mem_cache import LayerIdError, MiniMaxSparseKVPool, MissingBufferError
 from mem_cache.pool_info import dtype_name
 from server import __version__
-from server.errors import ApiError
+from server.errors import ApiError, BadRequest
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeReq, TokenizeReq
 from server.state import ServerState, server_state
@@ -206,6 +206,8 @@ async def layer(layer_id: int, request: Request) -> dict[str, Any]:
 async def buffer(layer_id: int, buffer: str, request: Request) -> dict[str, Any]:
     pool = _layer_pool(request, layer_id)
     try:
-        return pool.buffer_info(layer_id, buffer)  # an unknown buffer name: ValueError, the app's 400
+        return pool.buffer_info(layer_id, buffer)
     except MissingBufferError as e:
         raise ApiError(409, str(e)) from None
+    except ValueError as e:  # an unknown buffer name
+        raise BadRequest(str(e)) from None

@@ -20,11 +20,11 @@ from engine.runtime.request import JoinedOutput, LogprobOptions, Logprobs, NewRe
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
 from server.async_engine import merge
-from server.errors import sse_error
+from server.errors import BadRequest, sse_error
 from server.protocol import AbortReq, GenerateReqInput
 from server.routes_admin import router as admin_router
 from server.state import server_state
-from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
+from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sampling_params, sse_frames
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -45,21 +45,21 @@ class GenPlan:
 def _prompts(req: GenerateReqInput, tok: Tokenizer | None) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether the input was a scalar (one prompt, not a batch)."""
     if req.input_embeds is not None:
-        raise ValueError("input_embeds is not supported by this server; send text or input_ids.")
+        raise BadRequest("input_embeds is not supported by this server; send text or input_ids.")
     if (req.text is None) == (req.input_ids is None):
-        raise ValueError("Either text, input_ids or input_embeds should be provided." if req.text is None
+        raise BadRequest("Either text, input_ids or input_embeds should be provided." if req.text is None
                          else "Either text or input_ids should be provided, not both.")
     if req.input_ids is not None:
         ids = req.input_ids
         return ([list(ids)], True) if not ids or isinstance(ids[0], int) else ([list(x) for x in ids], False)
     if tok is None:
-        raise ValueError("text input needs a tokenizer, but this server runs with --skip-tokenizer-init: "
+        raise BadRequest("text input needs a tokenizer, but this server runs with --skip-tokenizer-init: "
                          "send input_ids instead.")
     texts = [req.text] if isinstance(req.text, str) else list(req.text)
     prompts = [tok.encode(t) for t in texts]
     for t, p in zip(texts, prompts):
         if not p:
-            raise ValueError(f"text {t!r} encodes to no tokens; send a non-empty prompt.")
+            raise BadRequest(f"text {t!r} encodes to no tokens; send a non-empty prompt.")
     return prompts, isinstance(req.text, str)
 
 
@@ -70,9 +70,9 @@ def _per_prompt(name: str, value: Any, k: int, n: int, default: Any, listy: bool
     if not isinstance(value, list) or (listy and not (value and isinstance(value[0], list))):
         return [value] * k
     if n > 1:
-        raise ValueError(f"{name} given as a list is not supported together with n > 1 (n={n}).")
+        raise BadRequest(f"{name} given as a list is not supported together with n > 1 (n={n}).")
     if len(value) != k:
-        raise ValueError(f"{name} has {len(value)} entries but the batch has {k} prompts.")
+        raise BadRequest(f"{name} has {len(value)} entries but the batch has {k} prompts.")
     return list(value)
 
 
@@ -82,26 +82,23 @@ def _rids(rid: str | list[str] | None, k: int, single: bool) -> list[str]:
     if isinstance(rid, str):
         return [rid] if single else [f"{rid}_{i}" for i in range(k)]
     if len(rid) != k:
-        raise ValueError(f"The specified rids length ({len(rid)}) should be equal to the batch size ({k}).")
+        raise BadRequest(f"The specified rids length ({len(rid)}) should be equal to the batch size ({k}).")
     return list(rid)
 
 
 def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None) -> GenPlan:
-    """The engine requests of a /generate body; raises ValueError (400) for shape and batch errors."""
+    """The engine requests of a /generate body; raises BadRequest for shape and batch errors."""
     prompts, scalar = _prompts(req, tok)
     k = len(prompts)
     if k == 0:
-        raise ValueError("The batch is empty: give at least one prompt.")
+        raise BadRequest("The batch is empty: give at least one prompt.")
     raws = _per_prompt("sampling_params", req.sampling_params, k, 1, {})
     if scalar and isinstance(req.sampling_params, list) and len(req.sampling_params) != 1:
-        raise ValueError("sampling_params must be an object (or a 1-element list) for a single prompt.")
-    params = [SamplingParams.from_dict(r) for r in raws]
-    if cap is not None:  # the default max_new_tokens yields to the server's cap; an explicit value does not
-        params = [p if "max_new_tokens" in r else p.derive(max_new_tokens=min(p.max_new_tokens or cap, cap))
-                  for p, r in zip(params, raws)]
+        raise BadRequest("sampling_params must be an object (or a 1-element list) for a single prompt.")
+    params = [sampling_params(r, cap, SamplingParams.max_new_tokens) for r in raws]
     n = params[0].n
     if any(p.n != n for p in params):
-        raise ValueError("The parallel_sample_num should be the same for all samples in sample params.")
+        raise BadRequest("The parallel_sample_num should be the same for all samples in sample params.")
     ret = _per_prompt("return_logprob", req.return_logprob, k, n, False)
     start = _per_prompt("logprob_start_len", req.logprob_start_len, k, n, -1)
     top = _per_prompt("top_logprobs_num", req.top_logprobs_num, k, n, 0)

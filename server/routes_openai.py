@@ -12,14 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from engine.runtime.request import LogprobOptions, NewRequest
-from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
 from server.errors import ApiError, media_type, not_json_message
 from server.openai_format import chat_prompt_ids
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from server.openai_shaper import ChatShaper, CompletionShaper
 from server.state import ServerState, server_state
-from server.submission import Submission
+from server.submission import Submission, sampling_params
 
 router = APIRouter()
 M = TypeVar("M", bound=BaseModel)
@@ -87,10 +86,11 @@ def _logprob(req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions
                           max(top or 0, req.prompt_logprobs or 0))
 
 
-def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], max_new: int | None,
+def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], max_new: int | None, given: bool,
             logprob: LogprobOptions | None, route: str) -> Submission:
-    cap = state.args.engine.max_new_tokens_cap
-    params = SamplingParams.from_dict(req.sampling_dict(cap if max_new is None else max_new))
+    """`max_new`: the request's max tokens; `given`: sent by the client (else a default, which yields to the cap)."""
+    given_max = {"max_new_tokens": max_new} if given and max_new is not None else {}
+    params = sampling_params(req.sampling_dict() | given_max, state.args.engine.max_new_tokens_cap, max_new)
     base = req.rid or uuid.uuid4().hex
     reqs = [NewRequest(ids, params, logprob or LogprobOptions(), base if len(prompts) == 1 else f"{base}_{p}",
                        fit_context=True) for p, ids in enumerate(prompts)]
@@ -117,10 +117,8 @@ async def completions(request: Request) -> Response:
     if req.logprobs is not None and req.logprobs > cap:
         raise ApiError(400, f"logprobs must be at most {cap}, got {req.logprobs}.", {"param": "logprobs"})
     prompts, given = _completion_prompts(tok, req.prompt)
-    max_tokens, cap = req.max_tokens, state.args.engine.max_new_tokens_cap
-    if "max_tokens" not in req.model_fields_set and cap is not None and max_tokens is not None:
-        max_tokens = min(max_tokens, cap)  # the default (16) yields to the server's cap; explicit values do not
-    sub = _submit(state, req, prompts, max_tokens, _logprob(req, req.logprobs, bool(req.echo)), "/v1/completions")
+    sub = _submit(state, req, prompts, req.max_tokens, "max_tokens" in req.model_fields_set,
+                  _logprob(req, req.logprobs, bool(req.echo)), "/v1/completions")
     return await CompletionShaper(sub, req, tok, prompts, given, state.args.enable_cache_report).respond(request)
 
 
@@ -138,5 +136,5 @@ async def chat_completions(request: Request) -> Response:
     prompt = chat_prompt_ids(tok, req)
     max_new = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    sub = _submit(state, req, [prompt], max_new, _logprob(req, top, False), "/v1/chat/completions")
+    sub = _submit(state, req, [prompt], max_new, True, _logprob(req, top, False), "/v1/chat/completions")
     return await ChatShaper(sub, req, tok, [prompt], state.args.enable_cache_report).respond(request)

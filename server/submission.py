@@ -17,8 +17,9 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.runtime.request import JoinedOutput, NewRequest, RequestOutput
+from engine.runtime.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
-from server.errors import ApiError
+from server.errors import ApiError, BadRequest
 
 logger = logging.getLogger("server.access")
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by anyone
@@ -28,12 +29,21 @@ class ClientGone(Exception):
     """The HTTP client disconnected before the result was ready."""
 
 
+def sampling_params(raw: dict[str, Any], cap: int | None, default: int | None) -> SamplingParams:
+    """A request's SamplingParams (a bad value: the client's 400), and the one place --max-new-tokens-cap meets
+    max_new_tokens: left out, it is the route's `default` lowered to the cap; given, the engine checks it."""
+    try:
+        return SamplingParams.from_dict({"max_new_tokens": default if cap is None else min(default or cap, cap)} | raw)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
+
+
 class Submission:
     def __init__(self, ae: AsyncEngine, reqs: list[NewRequest], route: str, started: float | None = None) -> None:
         self.ae, self.route = ae, route
         self.id = ""  # the response id, where the route has one
         self.started = time.monotonic() if started is None else started
-        self.rids, self._channel = ae.submit(reqs)  # ValueError -> 400, EngineDeadError -> 503
+        self.rids, self._channel = ae.submit(reqs)  # BadRequest -> 400, EngineDeadError -> 503
         self.joined = [JoinedOutput(r) for r in self.rids]
         self._open = set(range(len(self.rids)))
 

@@ -1,0 +1,81 @@
+"""A server that blames the right party, in-process (the engine built as `python -m server` builds it, so the
+engine's classes can be patched): a bug inside the server is a 500 with a request id, logged with its traceback,
+while bad input stays a 400 naming the field; --max-new-tokens-cap lowers every generation route's default alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterator
+
+import pytest
+from fastapi.testclient import TestClient
+
+from engine.runtime.tokenizer import Tokenizer
+from server.__main__ import build_state
+from server.app import create_app
+from server.args import parse_args
+
+CAP = 5
+MSG = [{"role": "user", "content": "Say something."}]
+
+
+@pytest.fixture(scope="module")
+def client() -> Iterator[TestClient]:
+    args = ["--max-total-tokens", "8192", "--disable-cuda-graph", "--max-new-tokens-cap", str(CAP),
+            "--chunked-prefill-size", "32"]
+    with TestClient(create_app(build_state(parse_args(args))), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _message(path: str, body: dict) -> str:
+    return body["message"] if path.startswith("/v1/") else body["error"]["message"]
+
+
+def test_a_server_bug_is_a_500_with_a_request_id_and_bad_input_a_400(client, monkeypatch, caplog):
+    encode = Tokenizer.encode
+
+    def buggy(self, text, add_special_tokens=True):
+        if "trigger" in text:
+            raise ValueError("a bug deep in the tokenizer")
+        return encode(self, text, add_special_tokens)
+
+    monkeypatch.setattr(Tokenizer, "encode", buggy)
+    for path, body in (("/generate", {"text": "trigger"}), ("/v1/completions", {"prompt": "trigger"})):
+        with caplog.at_level(logging.ERROR, logger="server.app"):
+            r = client.post(path, json=body)
+        assert r.status_code == 500, r.text
+        rid = r.headers["x-request-id"]
+        message = _message(path, r.json())
+        assert re.fullmatch(r"[0-9a-f]{32}", rid) and rid in message and "ValueError" in message
+        logged = [rec for rec in caplog.records if rid in rec.getMessage()]
+        assert len(logged) == 1 and "a bug deep in the tokenizer" in str(logged[0].exc_info[1])
+
+    bad = [("/generate", {"text": "x", "sampling_params": {"temperature": -1}}, "temperature"),
+           ("/generate", {"text": "x", "sampling_params": {"bogus": 1}}, "bogus"),  # SamplingParams.from_dict
+           ("/generate", {"input_ids": [10 ** 6]}, "input_ids"),  # the engine's own validation
+           ("/generate", {"text": ["a", "b"], "rid": ["only-one"]}, "rids"),  # the route's batch rules
+           ("/pools/layers/0/buffers/nope", None, "nope"),  # the pool's unknown buffer name
+           ("/v1/completions", {"prompt": "x", "top_p": 2}, "top_p"),
+           ("/v1/chat/completions", {"messages": MSG, "n": 0}, "n must be")]
+    for path, body, field in bad:
+        r = client.get(path) if body is None else client.post(path, json=body)
+        assert r.status_code == 400 and field in _message(path, r.json()), (path, r.text)
+        assert "x-request-id" not in r.headers
+
+
+def test_the_cap_lowers_each_routes_default_and_refuses_more(client):
+    native = client.post("/generate", json={"text": "x", "sampling_params": {"ignore_eos": True}}).json()
+    assert native["meta_info"]["completion_tokens"] == CAP  # the default 128, lowered
+    for path, body in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MSG})):
+        r = client.post(path, json=body | {"ignore_eos": True})  # the defaults: 16 and none
+        assert r.json()["usage"]["completion_tokens"] == CAP, r.text
+    r = client.post("/v1/completions", json={"prompt": "x", "max_tokens": CAP - 2, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == CAP - 2
+    for path, body in (("/generate", {"text": "x", "sampling_params": {"max_new_tokens": CAP + 1}}),
+                       ("/v1/completions", {"prompt": "x", "max_tokens": CAP + 1}),
+                       ("/v1/chat/completions", {"messages": MSG, "max_completion_tokens": CAP + 1})):
+        r = client.post(path, json=body)
+        assert r.status_code == 400 and "--max-new-tokens-cap" in _message(path, r.json()), r.text
+
