@@ -37,3 +37,10 @@ def operator(schema: str, fake: Kernel = like_first) -> Callable[[Kernel], Calla
         return op
 
     return register
+
+
+def require(ok: bool, what: str, *got: object) -> None:
+    """A ValueError unless `ok`: what an op needs (`what`) and what it got (tensors by dtype and shape)."""
+    if not ok:
+        raise ValueError(f"{what}; got " + ", ".join(f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor)
+                                                      else repr(t) for t in got))

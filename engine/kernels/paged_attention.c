@@ -5,7 +5,8 @@
  * keys of the selected blocks up to the query's position (paged_block_attention). Keys are taken in tiles of
  * TILE: scores of the kept ones, then an online-softmax update (running max and sum per query head), so no
  * gathered copy of K or V is ever made and any key count fits. A query head with no kept key gets zeros.
- * Built with -ffast-math (vectorized exp): no infinity is used, masked keys are skipped instead.
+ * Every index is checked before any key is read: a row listed or a slot read outside the buffers returns 1, a
+ * query position outside its slots 2 (the Python wrappers raise), never a read out of bounds. Built with -ffast-math (vectorized exp): no infinity is used, masked keys are skipped instead.
  */
 #include <math.h>
 #include <stdint.h>
@@ -15,18 +16,19 @@
 
 #define TILE 64
 #define LOWEST (-3.0e38f)
-/* One (row b, KV head h). `dim` is a constant where the caller's switch inlines it: the dot products and
- * the accumulations then unroll (measured: 1.2-1.6x faster than a run-time loop bound at D = 32). */
-static inline __attribute__((always_inline)) void attend_one(
+/* One (row b, KV head h); 1 if a row listed or a slot read (blocks) is not below `limit`. `dim` is a constant
+ * where the caller's switch inlines it: the dot products and the accumulations then unroll (measured: 1.2-1.6x
+ * faster than a run-time loop bound at D = 32). */
+static inline __attribute__((always_inline)) int64_t attend_one(
     const float *q, const float *k, const float *v, const int64_t *rows, const uint8_t *keep, const int64_t *blocks,
     const int64_t *slots, int64_t q_pos, int64_t block_size, float *out, int64_t b, int64_t h, int64_t heads,
-    int64_t group, const int64_t dim, int64_t keys, int64_t keep_heads, float scale) {
+    int64_t group, const int64_t dim, int64_t keys, int64_t keep_heads, float scale, uint64_t limit) {
     const int64_t *r = rows ? rows + (b * heads + h) * keys : 0;
     const uint8_t *m = keep ? keep + (b * keep_heads + (keep_heads == 1 ? 0 : h)) * keys : 0;
     const float *qh = q + (b * heads + h) * group * dim;
     float *o = out + (b * heads + h) * group * dim;
     float mx[group], sum[group], acc[group * dim], s[group * TILE];
-    int64_t idx[TILE], sel = 0, off = 0;
+    int64_t idx[TILE], sel = 0, off = 0, bad = 0, last_blk = q_pos / block_size;
     for (int64_t g = 0; g < group; g++) {
         mx[g] = LOWEST;
         sum[g] = 0.0f;
@@ -35,19 +37,24 @@ static inline __attribute__((always_inline)) void attend_one(
     for (int64_t n0 = 0; n0 < keys; n0 += TILE) {
         int64_t cnt = 0;
         if (blocks == 0) {
-            for (int64_t n = n0; n < n0 + TILE && n < keys; n++)
+            for (int64_t n = n0; n < n0 + TILE && n < keys; n++) {
+                bad |= (uint64_t)r[n] >= limit;  /* (every row listed, kept or not, as the gather checks them) */
                 if (m[n]) idx[cnt++] = r[n];
+            }
         } else {  /* key n: offset `off` of selected block `sel` (n = sel * B + off), a run of positions a block
                    * (NOTE: against a test per key, the kernel alone 1.3x at 64 rows x 192 keys, keys in cache) */
             for (int64_t n = n0, end = n0 + TILE < keys ? n0 + TILE : keys; n < end;) {
                 int64_t run = block_size - off < end - n ? block_size - off : end - n, blk = blocks[sel];
-                int64_t first = blk * block_size + off, last = first + run - 1 < q_pos ? first + run - 1 : q_pos;
-                if (blk >= 0)
-                    for (int64_t pos = first; pos <= last; pos++) idx[cnt++] = slots[pos] * heads + h;
+                if (blk >= 0 && blk <= last_blk) {  /* (a later block holds no position up to q_pos) */
+                    int64_t first = blk * block_size + off, last = first + run - 1 < q_pos ? first + run - 1 : q_pos;
+                    for (int64_t pos = first; pos <= last; pos++)
+                        bad |= (uint64_t)slots[pos] >= limit, idx[cnt++] = slots[pos] * heads + h;
+                }
                 n += run, off += run;
                 if (off == block_size) off = 0, sel++;
             }
         }
+        if (bad) return 1;
         if (cnt == 0) continue;
         /* NOTE: every line of the tile's keys and values asked for before its dot products (they are read
          * cold, from rows scattered over the pool), against each key's first line 4 keys ahead: a decode step
@@ -147,40 +154,52 @@ static inline __attribute__((always_inline)) void attend_one(
         float inv = sum[g] > 0.0f ? 1.0f / sum[g] : 0.0f;
         for (int64_t d = 0; d < dim; d++) o[g * dim + d] = acc[g * dim + d] * inv;
     }
+    return 0;
 }
 
 #define ATTEND(D) attend_one(q, k, v, rows, keep, blk, srow, qp, block_size, out, b, h, heads, group, D, keys, \
-                            keep_heads, scale)
+                            keep_heads, scale, limit)
+/* `body` sets what a row reads, and st = 2 if its query position is out of range; the first nonzero status is
+ * returned (the row and head it came from are left unwritten). */
 #define FOR_EACH_ROW_AND_HEAD(body)                                                                           \
+    int64_t status = 0;                                                                                       \
     _Pragma("omp parallel for collapse(2) schedule(static)")                                                  \
     for (int64_t b = 0; b < batch; b++) {                                                                     \
         for (int64_t h = 0; h < heads; h++) {                                                                 \
+            int64_t st = 0;                                                                                   \
             body;                                                                                             \
-            switch (dim) {                                                                                    \
-            case 32: ATTEND(32); break;                                                                       \
-            case 64: ATTEND(64); break;                                                                       \
-            case 128: ATTEND(128); break;                                                                     \
-            default: ATTEND(dim);                                                                             \
+            if (st == 0) switch (dim) {                                                                       \
+            case 32: st = ATTEND(32); break;                                                                  \
+            case 64: st = ATTEND(64); break;                                                                  \
+            case 128: st = ATTEND(128); break;                                                                \
+            default: st = ATTEND(dim);                                                                        \
+            }                                                                                                 \
+            if (st) {                                                                                         \
+                _Pragma("omp atomic write")                                                                   \
+                status = st;                                                                                  \
             }                                                                                                 \
         }                                                                                                     \
-    }
+    }                                                                                                         \
+    return status;
 
-/* Row b, KV head h: the kept keys n, rows[b, h, n] (keep[b, h or 0, n]). */
-void paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
-                            const uint8_t *keep, float *out, int64_t batch, int64_t heads, int64_t group,
-                            int64_t dim, int64_t keys, int64_t keep_heads, float scale) {
-    const int64_t block_size = 1;
+/* Row b, KV head h: the kept keys n, rows[b, h, n] (keep[b, h or 0, n]); every row below `buf_rows`. */
+int64_t paged_decode_attention(const float *q, const float *k, const float *v, const int64_t *rows,
+                               const uint8_t *keep, float *out, int64_t batch, int64_t heads, int64_t group,
+                               int64_t dim, int64_t keys, int64_t keep_heads, float scale, uint64_t buf_rows) {
+    const int64_t block_size = 1, limit = buf_rows;
     FOR_EACH_ROW_AND_HEAD(const int64_t *blk = 0; const int64_t *srow = 0; int64_t qp = 0)
 }
 
 /* Row b, KV head h: the keys of the selected blocks blocks[b, h, :topk] (-1: unused) up to position
- * q_pos[b], key j being slot slots[b * slot_stride + j] (a stride of 0: every row reads one sequence). */
-void paged_block_attention(const float *q, const float *k, const float *v, const int64_t *slots,
-                           int64_t slot_stride, const int64_t *blocks, const int64_t *q_pos, float *out,
-                           int64_t batch, int64_t heads, int64_t group, int64_t dim, int64_t topk,
-                           int64_t block_size, float scale) {
-    const int64_t *rows = 0, keys = topk * block_size, keep_heads = 1;
+ * q_pos[b] < slot_len, key j being slot slots[b * slot_stride + j] < buf_slots (a stride of 0: every row reads
+ * one sequence). */
+int64_t paged_block_attention(const float *q, const float *k, const float *v, const int64_t *slots,
+                              int64_t slot_stride, const int64_t *blocks, const int64_t *q_pos, float *out,
+                              int64_t batch, int64_t heads, int64_t group, int64_t dim, int64_t topk,
+                              int64_t block_size, float scale, uint64_t buf_slots, uint64_t slot_len) {
+    const int64_t *rows = 0, keys = topk * block_size, keep_heads = 1, limit = buf_slots;
     const uint8_t *keep = 0;
     FOR_EACH_ROW_AND_HEAD(const int64_t *blk = blocks + (b * heads + h) * topk;
-                          const int64_t *srow = slots + b * slot_stride; int64_t qp = q_pos[b])
+                          const int64_t *srow = slots + b * slot_stride; int64_t qp = q_pos[b];
+                          st = (uint64_t)qp >= slot_len ? 2 : 0)
 }

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import build
-from engine.kernels.operator import operator
+from engine.kernels.operator import operator, require
 
 NEG_INF = float("-inf")
 SOURCE = Path(__file__).with_suffix(".c")
@@ -30,10 +30,10 @@ def kernel() -> ctypes.CDLL | None:
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """`lib` (paged_attention.c, built) with its functions' argument types set."""
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.paged_decode_attention.restype = lib.paged_block_attention.restype = None
-    lib.paged_decode_attention.argtypes = [p] * 6 + [i] * 6 + [ctypes.c_float]
-    lib.paged_block_attention.argtypes = [p, p, p, p, i, p, p, p] + [i] * 6 + [ctypes.c_float]
+    p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.paged_decode_attention.restype = lib.paged_block_attention.restype = i
+    lib.paged_decode_attention.argtypes = [p] * 6 + [i] * 6 + [f, i]
+    lib.paged_block_attention.argtypes = [p, p, p, p, i, p, p, p] + [i] * 6 + [f, i, i]
     return lib
 
 
@@ -81,16 +81,28 @@ def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
 
 
+def fits(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
+    """Whether q [B, H, G, D] and the buffers [..., D] are float32, the buffers contiguous and alike, and G query
+    heads fit the kernel's scratch on its stack."""
+    return (q.dim() == 4 and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32 and k_buf.shape == v_buf.shape
+            and k_buf.shape[-1:] == q.shape[-1:] and k_buf.is_contiguous() and v_buf.is_contiguous()
+            and q.shape[2] * (q.shape[3] + 64) <= 1 << 16)
+
+
 def in_place(fn: ctypes._CFuncPtr, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
              keep: torch.Tensor, scale: float) -> torch.Tensor:
-    """paged_attention.c (float32, CPU): the keys and values read in place (a query with no kept key gets zeros)."""
+    """paged_attention.c (float32, CPU): the keys and values read in place (a query with no kept key gets zeros).
+    A shape or dtype it cannot read is a ValueError, a row outside the buffers an IndexError."""
     q, rows, keep = q.contiguous(), rows.contiguous(), keep.contiguous()
-    b, h, g, d = q.shape
-    assert rows.shape[:2] == (b, h) and keep.shape[1] in (1, h) and rows.dtype == torch.int64 and keep.dtype == torch.bool
-    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[-1] == d
-    out = torch.empty_like(q)
-    fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), keep.data_ptr(), out.data_ptr(),
-       b, h, g, d, rows.shape[-1], keep.shape[1], scale)
+    (b, h, g, d), n = q.shape if q.dim() == 4 else (0, 0, 0, 0), rows.shape[-1] if rows.dim() == 3 else -1
+    require(fits(q, k_buf, v_buf) and rows.dtype == torch.int64 and keep.dtype == torch.bool
+            and rows.shape == (b, h, n) and keep.shape in ((b, h, 1, n), (b, 1, 1, n)),
+            "paged_attention: q [B, H, G, D] and k_buf, v_buf [..., D] float32, rows int64 [B, H, N], keep bool "
+            "[B, H or 1, 1, N]", q, k_buf, v_buf, rows, keep)
+    out, buf_rows = torch.empty_like(q), k_buf.numel() // max(d, 1)
+    if fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), keep.data_ptr(), out.data_ptr(),
+          b, h, g, d, n, keep.shape[1], scale, buf_rows):
+        raise IndexError(f"paged_attention: a key's row is outside the k/v buffers' rows [0, {buf_rows})")
     return out
 
 
@@ -107,12 +119,18 @@ def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
         rows, keep = block_rows(key_slots, blocks, q_pos, block_size)
         return gather_sdpa(q, k_buf, v_buf, rows, keep[:, :, None], scale)
     q, blocks, q_pos = q.contiguous(), blocks.contiguous(), q_pos.contiguous()
-    b, h, g, d = q.shape
-    assert blocks.shape[:2] == (b, h) and key_slots.shape[0] == b and key_slots.stride(1) == 1
-    assert key_slots.dtype == blocks.dtype == q_pos.dtype == torch.int64  # (the kernel reads them as int64_t)
-    assert k_buf.is_contiguous() and v_buf.is_contiguous() and k_buf.shape[-1] == d
-    out = torch.empty_like(q)
-    lib.paged_block_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), key_slots.data_ptr(),
-                              key_slots.stride(0), blocks.data_ptr(), q_pos.data_ptr(), out.data_ptr(), b, h, g, d,
-                              blocks.shape[-1], block_size, scale)
+    (b, h, g, d), n = q.shape if q.dim() == 4 else (0, 0, 0, 0), key_slots.shape[-1] if key_slots.dim() == 2 else -1
+    require(fits(q, k_buf, v_buf) and key_slots.dtype == blocks.dtype == q_pos.dtype == torch.int64 and block_size > 0
+            and key_slots.shape == (b, n) and key_slots.stride(1) == 1 and blocks.dim() == 3
+            and blocks.shape[:2] == (b, h) and q_pos.shape == (b,),  # (the kernel reads the indices as int64_t)
+            "paged_block_attention: q [B, H, G, D] and k_buf, v_buf [..., D] float32, key_slots int64 [B, N] (unit "
+            "stride along N), blocks int64 [B, H, K], q_pos int64 [B], block_size > 0", q, k_buf, v_buf, key_slots,
+            blocks, q_pos, block_size)
+    out, buf_slots = torch.empty_like(q), k_buf.numel() // max(h * d, 1)
+    status = lib.paged_block_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), key_slots.data_ptr(),
+                                       key_slots.stride(0), blocks.data_ptr(), q_pos.data_ptr(), out.data_ptr(), b,
+                                       h, g, d, blocks.shape[-1], block_size, scale, buf_slots, n)
+    if status:
+        raise IndexError(f"paged_block_attention: a key slot read is outside the k/v buffers' slots [0, {buf_slots})"
+                         if status == 1 else f"paged_block_attention: a q_pos is outside the key range [0, {n})")
     return out
