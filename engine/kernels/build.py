@@ -1,22 +1,28 @@
 """Building a C kernel of this package into a shared library, once per machine, and loading it (ctypes).
 
 The library lands beside inductor's compile cache (`TORCHINDUCTOR_CACHE_DIR`, by default
-/tmp/torchinductor_<user>), under minimax_kernels/, named by a hash of its source, the headers beside it and
-the flags: clearing that cache clears it too. Built with the compiler inductor uses on CPU (gcc, or $CC), with
-OpenMP: the library then shares the OpenMP runtime torch has loaded, so its threads are torch's (torch.set_num_threads holds).
+/tmp/torchinductor_<user>), under minimax_kernels/, named by a hash of its source, the headers beside it, the
+flags and the CPU (`cpu`: built with -march=native, it may not run on another, as a cache on a volume shared by
+machines would have it): clearing that cache clears it too. Built with the compiler inductor uses on CPU (gcc, or
+$CC), with OpenMP: the library then shares the OpenMP runtime torch has loaded, so its threads are torch's
+(torch.set_num_threads holds).
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import getpass
 import hashlib
 import logging
 import os
+import platform
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 logger = logging.getLogger(__name__)
 
@@ -39,14 +45,27 @@ def cache_dir(name: str = "minimax_kernels") -> Path:
     return Path(root) / name
 
 
+@functools.cache
+def cpu() -> str:
+    """This CPU as -march=native sees it: torch's capability, the machine, /proc/cpuinfo's model name and flags."""
+    info = Path("/proc/cpuinfo")
+    lines = info.read_text().splitlines() if info.exists() else []
+    first = [next((line for line in lines if line.startswith(key)), "") for key in ("model name", "flags")]
+    return "\0".join((torch.backends.cpu.get_cpu_capability(), platform.machine(), *first))
+
+
+def library(source: Path, defines: tuple[str, ...] = ()) -> Path:
+    """Where the library built from `source` with `defines` for this CPU lies in the cache (or will)."""
+    texts = [f.read_text() for f in (source, *sorted(source.parent.glob("*.h")))]  # (the headers it may include)
+    facts = (*texts, os.environ.get("CC", "gcc"), *FLAGS, *defines, *LINK, *LIBS, cpu())
+    return cache_dir() / f"{source.stem}-{hashlib.sha256(chr(0).join(facts).encode()).hexdigest()[:16]}.so"
+
+
 def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     """The library built from `source` (built now if this machine has not yet), with extra `defines`
     ("-DNAME=value": a test builds the vector width this CPU would not choose); raises OSError or
     subprocess.CalledProcessError if it cannot be built or loaded."""
-    cc, flags = os.environ.get("CC", "gcc"), FLAGS + defines
-    texts = [f.read_text() for f in (source, *sorted(source.parent.glob("*.h")))]  # (the headers it may include)
-    key = hashlib.sha256("\0".join((*texts, cc, *flags, *LINK, *LIBS)).encode()).hexdigest()[:16]
-    lib = cache_dir() / f"{source.stem}-{key}.so"
+    cc, flags, lib = os.environ.get("CC", "gcc"), FLAGS + defines, library(source, defines)
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)
         tmp = lib.with_suffix(f".{os.getpid()}.tmp")  # (built apart, then renamed: processes may race)
