@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from engine.kernels import build_all
 from engine.model.config_json import load_config
 from engine.model.loader import load_model
 from engine.model.model import MiniMaxM3Model
@@ -57,6 +58,7 @@ def build_components(args: EngineArgs
                      ) -> tuple[MiniMaxM3Model, Tokenizer | None, MiniMaxSparseKVPool, KVCacheManager, int]:
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
     device = resolve_device(args.device)
+    build_all()  # (the C kernels built, or found in the cache, now: not inside a first request)
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # NOTE: CPUs have no fast bf16
