@@ -13,6 +13,7 @@ from engine.kernels.moe_experts import on_kernel
 from engine.model.config_json import load_config
 from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from tests.engine_utils import TINY
+from tests.kernel_utils import needs_compiler, without_compiler
 
 
 @pytest.mark.parametrize("dim,rot", [(32, 16), (16, 16), (24, 8)])
@@ -70,6 +71,7 @@ def _moe_reference(moe: MoE, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@needs_compiler
 @pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("forced", [None, [0, 2, 4], [0, 1, 5], [7, 3, 1]])
 def test_moe_forms_match_reference(forced):
@@ -95,6 +97,7 @@ def test_moe_forms_match_reference(forced):
                 assert (got.double() - want).abs().max().item() < 1e-4
 
 
+@needs_compiler
 @pytest.mark.usefixtures("two_threads")  # (the kernels split rows between threads)
 @pytest.mark.parametrize("lanes", [8, 16])
 def test_the_moe_kernel_at_both_vector_widths_matches_reference(lanes):
@@ -109,3 +112,21 @@ def test_the_moe_kernel_at_both_vector_widths_matches_reference(lanes):
             ids, w = moe.route(x)
             got = moe_experts.run(lib, x, ids, w, moe.w13, moe.w2, moe.alpha, moe.limit) * moe.scale + moe.shared(x)
             assert (got.double() - _moe_reference(moe, x)).abs().max().item() < 1e-4
+
+
+def test_without_a_compiler_moe_warns_and_keeps_its_pytorch_forms(monkeypatch, tmp_path, caplog):
+    """No compiler: the kernel's absence is a warning naming it and what runs instead, MoE takes its PyTorch
+    forms and still matches float64, and the op itself, called anyway, refuses with a clear error."""
+    without_compiler(monkeypatch, tmp_path)
+    moe, g = _moe(top_k=2, seed=3), torch.Generator().manual_seed(3)
+    with caplog.at_level("WARNING"):
+        assert not on_kernel(torch.empty(1), moe.w13, moe.w2)
+    assert "moe_experts.c: the C kernel is unavailable" in caplog.text
+    assert "MoE layers keep their PyTorch forms" in caplog.text
+    with torch.inference_mode():
+        for tokens in (1, 16):
+            x = torch.randn(tokens, 256, generator=g)
+            assert (moe(x).double() - _moe_reference(moe, x)).abs().max().item() < 1e-4
+        ids, w = moe.route(x)
+        with pytest.raises(ValueError, match="with the C kernel built"):
+            torch.ops.minimax.moe_experts(x, ids, w, moe.w13, moe.w2, moe.alpha, moe.limit)
