@@ -52,8 +52,6 @@ class GracefulServer(uvicorn.Server):
             self.should_exit = True
             return
         self._draining = True
-        self.state.ready = False
-        self.state.async_engine.accepting = False
         logger.info("received %s: draining (grace period %.1f s)", signal.Signals(sig).name,
                     self.state.args.shutdown_grace_period)
         self._loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain()))

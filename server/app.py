@@ -123,8 +123,7 @@ def create_app(state: ServerState) -> FastAPI:
         state.async_engine.start(asyncio.get_running_loop())
         state.ready = True
         yield
-        state.ready = False
-        await state.async_engine.drain(state.args.shutdown_grace_period)
+        await state.async_engine.drain(state.args.shutdown_grace_period)  # at once if SIGTERM has drained it
         state.async_engine.stop()
 
     app = FastAPI(title="minimax-microserver", lifespan=lifespan)

@@ -16,8 +16,10 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future
+from contextlib import suppress
+from typing import Any
 
 from engine.runtime.engine import Engine
 from engine.runtime.request import NewRequest, RequestOutput
@@ -100,6 +102,10 @@ class AsyncEngine:
         self.on_submit: Callable[[list[str], float], None] | None = None  # accepted rids, arrival time (metrics)
         self.accepting = True
         self._routes: dict[str, tuple[Channel, int]] = {}  # rid of a live sample -> its reader, its index
+        self._idle = asyncio.Event()  # set while no route is open (drain waits on it)
+        self._idle.set()
+        self._drain: asyncio.Future | None = None
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()  # for the engine thread, between steps
         self._loop: asyncio.AbstractEventLoop | None = None
         self.warming = True  # until the engine thread has compiled or captured its decode graphs
 
@@ -113,6 +119,8 @@ class AsyncEngine:
         self._go.set()
         self.engine.wake()
         self._thread.join(timeout=10)
+        while self._calls:
+            self._calls.popleft()[1].set_exception(EngineDeadError("the engine has stopped"))
 
     @property
     def alive(self) -> bool:
@@ -132,7 +140,14 @@ class AsyncEngine:
             logger.exception("decode graph warm-up failed: decoding eager")
         self.warming = False
         while not self._stop.is_set():
-            if not self.engine.wait_for_work():
+            work = self.engine.wait_for_work()
+            while self._calls:
+                fn, done = self._calls.popleft()
+                try:
+                    done.set_result(fn())
+                except Exception as e:  # noqa: BLE001 - raised in the caller
+                    done.set_exception(e)
+            if not work:
                 continue
             try:
                 outs = self.engine.step()
@@ -152,6 +167,8 @@ class AsyncEngine:
                 route[0].put_nowait(route[1], out)
                 if out.finished:
                     del self._routes[out.rid]
+                    if not self._routes:
+                        self._idle.set()
 
     # ---- requests (event-loop thread) ---------------------------------------------------------------
     def submit(self, reqs: list[NewRequest]) -> tuple[list[str], Channel]:
@@ -167,6 +184,7 @@ class AsyncEngine:
             raise BadRequest(str(e)) from None
         channel = Channel()
         self._routes.update({r: (channel, i) for i, r in enumerate(rids)})
+        self._idle.clear()
         if self.on_submit is not None:
             self.on_submit(rids, time.monotonic())
         return rids, channel
@@ -174,14 +192,37 @@ class AsyncEngine:
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.engine.abort(rid, abort_all)
 
-    async def drain(self, grace: float) -> None:
-        """Stop accepting; let in-flight requests finish for up to `grace` s, then abort the rest."""
+    async def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on the engine thread between two steps (it is the only thread that runs torch)."""
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        done: Future = Future()
+        self._calls.append((fn, done))
+        self.engine.wake()
+        return await asyncio.wrap_future(done)
+
+    async def check_integrity(self) -> bool | None:
+        """The KV pool's integrity (`Engine.integrity_ok`), checked on the engine thread; None while it warms up
+        (or has stopped)."""
+        return None if self.warming or not self.alive else await self.on_engine_thread(self._integrity_ok)
+
+    def _integrity_ok(self) -> bool:
+        if threading.current_thread() is not self._thread:  # the check runs torch
+            raise RuntimeError("the integrity check runs on the engine thread only")
+        return self.engine.integrity_ok()
+
+    def drain(self, grace: float) -> Awaitable[None]:
+        """Stop accepting; let in-flight requests finish for up to `grace` s, then abort the rest (5 s more to
+        end). Woken by the last request's end, no polling; it runs once (a second call waits for the first)."""
         self.accepting = False
-        deadline = time.monotonic() + grace
-        while self._routes and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)
-        if self._routes:
+        if self._drain is None:
+            self._drain = asyncio.ensure_future(self._drained(grace))
+        return asyncio.shield(self._drain)
+
+    async def _drained(self, grace: float) -> None:
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace)
+        except asyncio.TimeoutError:
             self.abort(abort_all=True)
-            deadline = time.monotonic() + 5
-            while self._routes and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            with suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._idle.wait(), 5)

@@ -34,7 +34,7 @@ HEALTH_TIMEOUT_S = 20.0
 async def health_generate(request: Request) -> Response:
     """One greedy token from `input_ids=[0]`: 200 if the engine answers within 20 s, else 503."""
     state = server_state(request)
-    if not state.ready:
+    if not state.healthy:
         return Response(status_code=503)
     req = NewRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
     sub = Submission(state.async_engine, [req], "/health_generate")
@@ -73,9 +73,7 @@ async def model_info(request: Request) -> dict[str, Any]:
 async def server_info(request: Request) -> dict[str, Any]:
     _warn_if_deprecated(request)
     state = server_state(request)
-    # NOTE: the integrity check takes the engine's step lock (it must not see a step half done): run it
-    # off the event loop so streams keep flowing while it waits.
-    integrity_ok = await asyncio.to_thread(state.engine.integrity_ok)
+    integrity_ok = await state.async_engine.check_integrity()  # on the engine thread, between two steps
     eng, args, st = state.engine, state.args, state.engine.stats()
     info: dict[str, Any] = args.flat()
     if info.get("api_key"):

@@ -217,7 +217,8 @@ async def abort_request(body: AbortReq, request: Request) -> Response:
 async def flush_cache(request: Request) -> Response:
     """Drop the prefix cache; refused with 400 while requests are queued or running."""
     state = server_state(request)
-    if state.async_engine.num_in_flight() == 0 and state.engine.flush_cache():
+    ae = state.async_engine
+    if ae.num_in_flight() == 0 and await ae.on_engine_thread(state.engine.flush_cache):  # it runs torch
         logger.info("prefix cache flushed")
         return PlainTextResponse("Cache flushed." + FLUSH_NOTE)
     logger.warning("cache not flushed: requests are running or waiting")

@@ -20,11 +20,12 @@ class ServerState:
     async_engine: AsyncEngine
     metrics: Any = None  # server.metrics.Metrics when --enable-metrics
     started: float = field(default_factory=time.time)
-    ready: bool = False  # the app runs; /health answers 503 before, and again while draining
+    ready: bool = False  # the app runs; /health answers 503 before
 
     @property
     def healthy(self) -> bool:
-        return self.ready and self.async_engine.alive and not self.async_engine.warming
+        ae = self.async_engine  # /health's 200: 503 while starting, warming up, and once draining
+        return self.ready and ae.alive and not ae.warming and ae.accepting
 
     def status(self) -> str:
         if not self.async_engine.accepting:

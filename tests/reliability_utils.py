@@ -2,7 +2,7 @@
 
 After every fault scenario the same three things must hold (docs/reliability.md):
   (i)   pool integrity: `/server_info` internal_states[0].integrity_ok (Engine.check_integrity on the
-        engine's step lock: free + owned + prefix-cached slots == pool size, no slot owned twice);
+        engine thread between steps: free + owned + prefix-cached slots == pool size, no slot owned twice);
   (ii)  once idle, `GET /pools` shows no token held by a request (used == evictable: only the prefix
         cache's unlocked tokens), and zero used tokens after `POST /flush_cache`;
   (iii) a fixed greedy request returns exactly the tokens it returned before the scenario.

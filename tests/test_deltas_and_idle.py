@@ -1,5 +1,6 @@
 """Outputs are deltas: joined, they equal the non-streamed result (native and OpenAI); validation is
-all or nothing for a batch; an idle engine sleeps (no CPU, no poll delay before the first token)."""
+all or nothing for a batch; an idle engine sleeps (no CPU, no poll delay before the first token); a drain
+wakes on the last request's end (no poll either)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engine_utils import make_engine
 
 from engine.runtime.request import LogprobOptions, NewRequest
 from engine.runtime.sampling_params import SamplingParams
-from server.async_engine import AsyncEngine
+from server.async_engine import AsyncEngine, EngineDeadError
 from tests.http_utils import generate, stream
 from tests.server_utils import live_server
 
@@ -201,3 +202,32 @@ def test_first_token_is_not_delayed_by_a_poll_interval():
     # (10 ms, or a tenth of the prefill where that is more: beside another CPU job both medians swing by more than
     # 10 ms; a poll loop at ~50 ms or slower, adding ~25 ms to the median, is still caught at this prompt size)
     assert ttft - direct < max(0.010, 0.1 * direct), f"TTFT {ttft * 1e3:.1f} ms vs prefill {direct * 1e3:.1f} ms"
+
+
+def test_drain_wakes_on_the_last_requests_end_and_runs_once():
+    """Within a long grace period a drain returns once the running request has finished (not aborted), a few
+    event-loop turns after its last output and with no timer in between; a second drain waits for the same one."""
+    async def main():
+        ae = AsyncEngine(lambda: make_engine(max_total_tokens=4096))
+        loop = asyncio.get_running_loop()
+        ae.start(loop)
+        ended = loop.create_future()
+        ae.observer = lambda out, now: out.finished and not ended.done() and ended.set_result(out)
+        try:
+            _, channel = ae.submit([NewRequest([5, 6, 7], SamplingParams(max_new_tokens=24, ignore_eos=True))])
+            await channel.get()  # running
+            first, second = ae.drain(3600), ae.drain(3600)
+            with pytest.raises(EngineDeadError):
+                ae.submit([NewRequest([5, 6, 7], SamplingParams(max_new_tokens=1))])
+            out = await ended
+            turns = 0
+            while not first.done() and turns < 50:  # zero-length yields: a polling drain would still be asleep
+                await asyncio.sleep(0)
+                turns += 1
+            assert first.done() and second.done() and ae.num_in_flight() == 0, turns
+            return out
+        finally:
+            ae.stop()
+
+    out = asyncio.run(main())
+    assert out.finish_reason["type"] == "length" and out.completion_tokens == 24

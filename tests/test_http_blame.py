@@ -1,17 +1,21 @@
 """A server that blames the right party, in-process (the engine built as `python -m server` builds it, so the
 engine's classes can be patched): a bug inside the server is a 500 with a request id, logged with its traceback,
-while bad input stays a 400 naming the field; --max-new-tokens-cap lowers every generation route's default alike.
+while bad input stays a 400 naming the field; --max-new-tokens-cap lowers every generation route's default alike;
+/server_info checks the pool's integrity on the engine thread only, under load too.
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from fastapi.testclient import TestClient
 
+from engine.runtime.engine import Engine
 from engine.runtime.tokenizer import Tokenizer
 from server.__main__ import build_state
 from server.app import create_app
@@ -24,7 +28,7 @@ MSG = [{"role": "user", "content": "Say something."}]
 @pytest.fixture(scope="module")
 def client() -> Iterator[TestClient]:
     args = ["--max-total-tokens", "8192", "--disable-cuda-graph", "--max-new-tokens-cap", str(CAP),
-            "--chunked-prefill-size", "32"]
+            "--chunked-prefill-size", "32"]  # long prompts take many steps: load for the integrity test
     with TestClient(create_app(build_state(parse_args(args))), raise_server_exceptions=False) as c:
         yield c
 
@@ -79,3 +83,25 @@ def test_the_cap_lowers_each_routes_default_and_refuses_more(client):
         r = client.post(path, json=body)
         assert r.status_code == 400 and "--max-new-tokens-cap" in _message(path, r.json()), r.text
 
+
+def test_server_info_checks_integrity_on_the_engine_thread_only(client, monkeypatch):
+    seen: list[str] = []
+    check = Engine.check_integrity
+
+    def recorded(self):
+        seen.append(threading.current_thread().name)
+        return check(self)
+
+    monkeypatch.setattr(Engine, "check_integrity", recorded)
+    load = {"input_ids": list(range(10, 650)), "sampling_params": {"max_new_tokens": CAP, "ignore_eos": True}}
+    with ThreadPoolExecutor(18) as pool:
+        gens = [pool.submit(client.post, "/generate", json=load) for _ in range(6)]
+        infos = [pool.submit(client.get, "/server_info") for _ in range(12)]
+        states = [f.result().json()["internal_states"][0] for f in infos]
+        assert all(g.result().status_code == 200 for g in gens)
+    assert all(s["integrity_ok"] is True for s in states)
+    assert any(s["num_running_reqs"] + s["num_queue_reqs"] > 0 for s in states)  # checked under load
+    assert seen == ["engine"] * len(infos)
+    ae = client.app.state.server.async_engine
+    with pytest.raises(RuntimeError, match="engine thread"):
+        ae._integrity_ok()  # the check refuses any other thread
