@@ -92,8 +92,8 @@ def test_moe_forms_match_reference(forced):
             want = _moe_reference(moe, x)
             ids, w = moe.route(x)
             shared = moe.shared(x)
-            static = moe._gathered(x, ids, w) if tokens == 1 else moe._dense(x, ids, w)
-            for got in (moe(x), moe._grouped(x, ids, w) * moe.scale + shared, static * moe.scale + shared):
+            for got in (moe(x), moe._grouped(x, ids, w) * moe.scale + shared,
+                        moe._gathered(x, ids, w) * moe.scale + shared):
                 assert (got.double() - want).abs().max().item() < 1e-4
 
 

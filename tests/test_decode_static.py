@@ -1,0 +1,88 @@
+"""A decode step's cost does not depend on what it should not: the MoE's FLOPs are those of the chosen experts
+(not every expert's), and the operations an engine step dispatches do not grow with its rows, sampling
+included (counted with a TorchDispatchMode, eager, steady state)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from engine_utils import TINY, make_engine, submit
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
+
+from engine.model.layers import MoE
+from engine.model.loader import load_model
+from tests.forward_utils import PagedModel
+
+
+@register_flop_formula(torch.ops.aten._grouped_mm)
+def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """x [M, K] rows, each times one [K, N] matrix of its group: 2 M K N (torch counts no formula for it)."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
+
+
+@pytest.fixture(scope="module")
+def many_experts(tmp_path_factory) -> Path:
+    """configs/tiny's shape with 128 experts, top-4, three layers (one of each kind)."""
+    path = tmp_path_factory.mktemp("e128")
+    shutil.copy(Path(TINY) / "tokenizer.json", path)
+    cfg = json.loads((Path(TINY) / "config.json").read_text())
+    cfg.update(num_hidden_layers=3, moe_layer_freq=[1, 1, 1], num_local_experts=128, num_experts_per_tok=4,
+               intermediate_size=64)
+    cfg["sparse_attention_config"].update(sparse_attention_freq=[0, 1, 1], sparse_disable_index_value=[0, 0, 1])
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+@pytest.mark.parametrize("rows", [1, 8, 64])
+def test_moe_flops_in_a_decode_step_are_the_chosen_experts(many_experts, rows):
+    """bfloat16 (the CUDA dtype: the grouped form, not the CPU float32 kernel, whose FLOPs are not counted)."""
+    p = PagedModel(load_model(many_experts, torch.bfloat16), size=32768, max_requests=64)
+    kvs = [p.kv.admit([]) for _ in range(rows)]
+    p.step(kvs, [[5 + i] * (300 + i) for i in range(rows)])  # (past the top-k budget: selection runs)
+    batch = p.decode_batch(kvs, [7] * rows)
+    moes = [m for m in p.runner.model.modules() if isinstance(m, MoE)]
+    with FlopCounterMode(display=False) as fc:
+        p.runner.decode_step(batch)
+    counts = fc.get_flop_counts()
+    cfg = p.runner.model.cfg
+    h, i, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok
+    active = rows * k * (2 * h * 2 * i + 2 * i * h)  # each token's k experts: gate|up, then down
+    shared = rows * (2 * h * 2 * cfg.shared_intermediate_size + 2 * cfg.shared_intermediate_size * h)
+    for layer in range(len(moes)):
+        total = sum(counts[f"MiniMaxM3Model.layers.{layer}.mlp"].values())
+        routed = total - shared - 2 * rows * h * cfg.num_experts  # (less the shared expert and the router)
+        assert active <= routed <= 1.25 * active, (layer, routed / active)
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _ops_per_step(rows: int, temperature: float) -> int:
+    engine = make_engine(max_running_requests=64)
+    for r in range(rows):
+        submit(engine, [10 + r] * 40, max_new_tokens=12, temperature=temperature, top_p=0.9, ignore_eos=True)
+    for _ in range(4):  # prefill, then steady decode
+        engine.step()
+    assert engine.stats().num_running == rows and engine.stats().num_waiting == 0
+    with _Ops() as ops:
+        engine.step()
+    return ops.n
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_ops_per_decode_step_do_not_grow_with_rows(temperature):
+    """The same count at 2 and 32 rows (a batch of 1 may take a few ops fewer: no row to pick)."""
+    few, many = _ops_per_step(2, temperature), _ops_per_step(32, temperature)
+    assert many == few, (few, many)
