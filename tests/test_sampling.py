@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from engine.runtime.sampler import Sampler
+from engine.runtime.sampler import Sampler, exponential_noise
 from engine.runtime.sampling_params import SamplingParams
 
 V = 1000
@@ -149,10 +149,9 @@ def test_is_greedy() -> None:
 # ----------------------------------------------------------------------------- sampler helpers
 
 def _sample_many(logits_row: torch.Tensor, p: SamplingParams, n: int, seed: int = 0) -> torch.Tensor:
-    """n independent draws for one logits row (a batch of n copies sharing one seeded generator)."""
-    g = torch.Generator().manual_seed(seed)
+    """n independent draws for one logits row (a batch of n copies, each row its own seed)."""
     logits = logits_row[None, :].expand(n, -1).contiguous()
-    return Sampler().sample(logits, [p] * n, [[]] * n, [[]] * n, [g] * n, None)
+    return Sampler().sample(logits, [p] * n, [[]] * n, [[]] * n, [seed * n + i for i in range(n)], None)
 
 
 # probabilities in a shuffled token order so that sorted order != id order
@@ -172,19 +171,16 @@ def test_top_k_1_and_greedy_equal_argmax() -> None:
     torch.manual_seed(0)
     logits = torch.randn(512, 300) * 3
     want = logits.argmax(-1)
-    gens = [torch.Generator().manual_seed(i) for i in range(512)]
+    seeds = list(range(512))
     n = 512
-    got = Sampler().sample(logits, [SamplingParams(top_k=1, temperature=1.3)] * n, [[]] * n, [[]] * n, gens)
+    got = Sampler().sample(logits, [SamplingParams(top_k=1, temperature=1.3)] * n, [[]] * n, [[]] * n, seeds)
     assert torch.equal(got, want)
-    states = [g.get_state() for g in gens]
-    got = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * n, [[]] * n, [[]] * n, [None] * n)
+    got = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * n, [[]] * n, [[]] * n, seeds)
     assert torch.equal(got, want) and got.dtype == torch.int64
-    # greedy rows mixed with sampling rows do not touch their generator
+    # greedy rows mixed with sampling rows stay greedy; the sampling rows draw
     params = [SamplingParams(temperature=0.0 if i % 2 else 1.0) for i in range(n)]
-    got = Sampler().sample(logits, params, [[]] * n, [[]] * n, gens)
-    assert torch.equal(got[1::2], want[1::2])
-    assert all(torch.equal(gens[i].get_state(), states[i]) for i in range(1, n, 2))
-    assert not torch.equal(gens[0].get_state(), states[0])
+    got = Sampler().sample(logits, params, [[]] * n, [[]] * n, seeds)
+    assert torch.equal(got[1::2], want[1::2]) and not torch.equal(got[::2], want[::2])
 
 
 def test_greedy_takes_the_first_of_tied_maxima() -> None:
@@ -194,7 +190,7 @@ def test_greedy_takes_the_first_of_tied_maxima() -> None:
     logits[6, 100:] = float("-inf")
     rows = logits.tolist()
     want = [row.index(max(row)) for row in rows]  # the lowest id among the largest
-    got = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 64, [[]] * 64, [[]] * 64, [None] * 64)
+    got = Sampler().sample(logits, [SamplingParams(temperature=0.0)] * 64, [[]] * 64, [[]] * 64, [0] * 64)
     assert got.tolist() == want
 
 
@@ -250,14 +246,14 @@ def test_same_seed_same_tokens_regardless_of_batch() -> None:
     def run(pos: int, batch: int) -> list[int]:
         params = [*neighbours[:batch - 1]]
         params.insert(pos, target)
-        gens = [torch.Generator().manual_seed(100 + j) for j in range(batch)]
-        gens[pos] = torch.Generator().manual_seed(1234)
+        seeds = [100 + j for j in range(batch)]
+        seeds[pos] = 1234
         outs: list[list[int]] = [[] for _ in range(batch)]
         prompts = [[1, 2, 3, 3]] * batch
         for s in range(steps):
             rows = torch.cat([step_logits[s][j:j + 1] for j in range(batch)])
             rows[pos] = step_logits[s][5]
-            tok = Sampler().sample(rows, params, outs, prompts, gens, [None] * batch)
+            tok = Sampler().sample(rows, params, outs, prompts, seeds, [None] * batch)
             for j in range(batch):
                 outs[j].append(int(tok[j]))
         return outs[pos]
@@ -273,24 +269,23 @@ def test_logit_bias_forces_and_forbids_without_leaking() -> None:
     logits = torch.randn(2, 50)
     top = int(logits[1].argmax())
     forced = 17 if top != 17 else 18
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
     for temp in (0.0, 1.0):
         params = [SamplingParams(temperature=temp, logit_bias={str(forced): 100}), SamplingParams(temperature=temp)]
         seen = set()
-        for _ in range(200):
-            tok = Sampler().sample(logits, params, [[], []], [[], []], gens)
+        for i in range(200):
+            tok = Sampler().sample(logits, params, [[], []], [[], []], [2 * i, 2 * i + 1])
             assert int(tok[0]) == forced
             seen.add(int(tok[1]))
         assert seen != {forced} and (temp > 0 or seen == {top})
     # -100 forbids the argmax; the neighbour still gets it
     logits = torch.stack([logits[1], logits[1]])
     params = [SamplingParams(temperature=0.0, logit_bias={str(top): -100}), SamplingParams(temperature=0.0)]
-    tok = Sampler().sample(logits, params, [[], []], [[], []], [None, None])
+    tok = Sampler().sample(logits, params, [[], []], [[], []], [0, 0])
     assert int(tok[0]) != top and int(tok[1]) == top
     sharp = torch.zeros(2, 50)
     sharp[:, top] = 5.0  # ~75% of the mass
     params = [SamplingParams(logit_bias={str(top): -100}), SamplingParams()]
-    draws = torch.stack([Sampler().sample(sharp, params, [[], []], [[], []], gens) for _ in range(300)])
+    draws = torch.stack([Sampler().sample(sharp, params, [[], []], [[], []], [i, i]) for i in range(300)])
     assert top not in draws[:, 0].tolist() and top in draws[:, 1].tolist()
     processed = Sampler().process_logits(sharp, params, [[], []], [[], []])
     assert torch.equal(processed[1], sharp[1])
@@ -344,18 +339,32 @@ def test_suppress_holds_back_ids() -> None:
     logits = torch.zeros(3, 20)
     logits[:, 4] = 10.0
     logits[:, 6] = 9.0
-    gens = [torch.Generator().manual_seed(i) for i in range(3)]
     params = [SamplingParams(temperature=0.0), SamplingParams(), SamplingParams(temperature=0.0)]
-    tok = Sampler().sample(logits, params, [[]] * 3, [[]] * 3, gens, [{4}, {4, 6}, None])
+    tok = Sampler().sample(logits, params, [[]] * 3, [[]] * 3, [0, 1, 2], [{4}, {4, 6}, None])
     assert tok.tolist()[0] == 6 and tok.tolist()[2] == 4
-    for _ in range(200):
-        tok = Sampler().sample(logits, params, [[]] * 3, [[]] * 3, gens, [{4}, {4, 6, 99}, set()])
+    for i in range(200):
+        tok = Sampler().sample(logits, params, [[]] * 3, [[]] * 3, [i] * 3, [{4}, {4, 6, 99}, set()])
         assert int(tok[1]) not in (4, 6)
 
 
-def test_length_mismatch_and_missing_generator() -> None:
+def test_length_mismatch() -> None:
     logits = torch.zeros(2, 5)
-    with pytest.raises(ValueError):
-        Sampler().sample(logits, [SamplingParams()], [[]], [[]], [None])
-    with pytest.raises(ValueError, match="no generator"):
-        Sampler().sample(logits, [SamplingParams()] * 2, [[]] * 2, [[]] * 2, [None, None])
+    with pytest.raises(ValueError, match="2 logit rows but 1 seeds"):
+        Sampler().sample(logits, [SamplingParams()] * 2, [[]] * 2, [[]] * 2, [0])
+    with pytest.raises(ValueError, match="params/output_ids/prompt_ids"):
+        Sampler().sample(logits, [SamplingParams()], [[]], [[]], [0, 1])
+
+
+def test_noise_is_keyed_by_seed_position_and_token_and_stays_finite() -> None:
+    """The draw's noise: the same for the same (seed, position), different when either changes, Exp(1)
+    distributed over the tokens, finite at the hash's extremes (seeds at both ends of int64, any position)."""
+    v = 4096
+    seeds = torch.tensor([0, 1, 0, -2**63, 2**63 - 1, 7], dtype=torch.int64)
+    pos = torch.tensor([0, 0, 1, 2**40, 0, 3], dtype=torch.int64)
+    e = exponential_noise(seeds, pos, v)
+    assert torch.equal(e, exponential_noise(seeds, pos, v))  # a pure function
+    assert bool(torch.isfinite(e).all()) and float(e.min()) > 0 and float(e.max()) < 17.4
+    assert len({tuple(r) for r in e[:, :16].tolist()}) == len(seeds)  # every (seed, position) its own noise
+    assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05  # Exp(1): mean 1, variance 1
+    # the same row alone or inside a batch
+    assert torch.equal(exponential_noise(seeds[3:4], pos[3:4], v)[0], e[3])

@@ -8,8 +8,6 @@ import random
 import subprocess
 import sys
 
-import torch
-
 from engine.runtime.request import LogprobOptions, Req
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.scheduler import Scheduler
@@ -19,7 +17,7 @@ from mem_cache import KVCacheManager
 
 def make_req(rid: str, prompt: list[int], max_new: int) -> Req:
     params = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    return Req(rid, prompt, params, LogprobOptions(), torch.Generator(), StopChecker(params, set(), None, prompt, 10**6))
+    return Req(rid, prompt, params, LogprobOptions(), 0, StopChecker(params, set(), None, prompt, 10**6))
 
 
 class Loop:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing
+import random
 import threading
 import uuid
 
@@ -29,14 +30,14 @@ class Engine:
         self.args = args
         model, self.tokenizer, pool, self._kv, self.context_len = build_components(args)
         self.cfg = model.cfg
-        self._runner = ModelRunner(model, pool, args)
+        self._runner = ModelRunner(model, pool, args, min(self.context_len, self._kv.size))
         self._scheduler = Scheduler(self._kv, args.max_running_requests, args.chunked_prefill_size)
         self._sampler = Sampler()
         self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.max_total_len = min(self.context_len, self._kv.size)
         self.limits = Limits(self.cfg.vocab_size, self.context_len, self._kv.size, args.max_new_tokens_cap,
                              self.tokenizer is not None)
-        self._seeds = torch.Generator().manual_seed(args.random_seed)
+        self._seeds = random.Random(args.random_seed)  # an unseeded request's seed
         self._cond = threading.Condition()  # guards the inbox, the aborts and the rid tables
         self._inbox: list[tuple[NewRequest, str]] = []
         self._aborts: list[tuple[str, bool]] = []
@@ -93,13 +94,10 @@ class Engine:
             self._scheduler.add(req)
 
     def _make_req(self, rid: str, r: NewRequest, params, hidden: bool = False) -> Req:
-        seed = params.sampling_seed
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=self._seeds))
-        gen = torch.Generator(device=self._runner.device).manual_seed(seed)
+        seed = self._seeds.getrandbits(62) if params.sampling_seed is None else params.sampling_seed
         stop = StopChecker(params, self.eos_ids, self.tokenizer, r.prompt_ids, self.max_total_len)
         logprob = r.logprob if not hidden else type(r.logprob)()
-        return Req(rid, list(r.prompt_ids), params, logprob, gen, stop, hidden=hidden)
+        return Req(rid, list(r.prompt_ids), params, logprob, seed, stop, hidden=hidden)
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         with self._cond:
@@ -186,7 +184,7 @@ class Engine:
         reqs, logits = [reqs[i] for i in live], take_rows(logits, live)
         suppress = [r.stop.suppressed(len(r.output_ids)) for r in reqs]
         tokens = self._sampler.sample(logits, [r.params for r in reqs], [r.output_ids for r in reqs],
-                                      [r.prompt_ids for r in reqs], [r.generator for r in reqs], suppress).tolist()
+                                      [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress).tolist()
         for req, row, tok in zip(reqs, logits, tokens):
             try:
                 reason = self._accept(req, row, tok)

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-import torch
-
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.stop import StopChecker
 from mem_cache import ReqKV
@@ -76,7 +74,7 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     logprob: LogprobOptions
-    generator: torch.Generator
+    seed: int  # keys the request's random draws (with each token's position)
     stop: StopChecker
     depends_on: Req | None = None  # admitted only once this one has finished (n > 1 prefix sharing)
     hidden: bool = False  # an internal request (the shared prefill of n > 1): reports nothing

@@ -6,9 +6,10 @@ top-p and min-p filter the same temperature-scaled distribution, combined as SGL
 is among the k most likely, if the mass strictly before it is < top_p, and if its probability is >= min_p × the
 largest. The most likely token always survives.
 
-The draw is an exponential race, argmax(p / E) with E ~ Exp(1) i.i.d. per token: token i with probability
-p_i / sum(p), no renormalizing. Row i's noise comes only from `generators[i]` (V draws per step, none for greedy
-rows) and every operation is row-wise, so a seeded request gets the same tokens wherever it sits in any batch.
+The draw is an exponential race, argmax(p / E) with E ~ Exp(1) per token: token i with probability p_i / sum(p), no
+renormalizing. E is not drawn from a generator's state: it is a hash of (the request's seed, the position of the token
+drawn, the token id), so a seeded request gets the same tokens wherever it sits in any batch, and a whole batch draws
+in a fixed number of tensor operations (an unseeded request gets a random seed at admission).
 """
 
 from __future__ import annotations
@@ -69,64 +70,62 @@ class Sampler:
 
     def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
         """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0,
-        not renormalized; every row is treated as sampling (callers handle greedy rows)."""
-        b, v = logits.shape
-        dev = logits.device
-        temps = [float(p.temperature) for p in params]
-        x = logits if all(t == 1.0 for t in temps) else logits / torch.tensor(temps, device=dev)[:, None]
-        probs = torch.softmax(x, dim=-1)
-        top_k = [p.top_k if 0 < p.top_k < v else v for p in params]
-        top_p = [float(p.top_p) if p.top_p < 1.0 else float("inf") for p in params]
-        min_p = [float(p.min_p) for p in params]
-        need = [i for i in range(b) if top_k[i] < v or top_p[i] != float("inf") or min_p[i] > 0.0]
-        if not need:
+        not renormalized; every row is treated as sampling (callers handle greedy rows). The same operations for
+        any mix of rows: each row's settings are a column of one tensor."""
+        v = logits.shape[1]
+        cols = torch.tensor([[p.temperature if not p.is_greedy else 1.0, p.top_k if 0 < p.top_k < v else v,
+                              p.top_p if p.top_p < 1.0 else 2.0, p.min_p] for p in params],
+                            dtype=torch.float32, device=logits.device)
+        probs = torch.softmax(logits / cols[:, :1], dim=-1)
+        if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             return probs
-        idx = torch.tensor(need, device=dev)
-        sub = probs if len(need) == b else probs[idx]
-        sp, order = sub.sort(dim=-1, descending=True, stable=True)
-        ranks = torch.arange(v, device=dev)[None, :]
-        drop = ranks >= torch.tensor([top_k[i] for i in need], device=dev)[:, None]
-        mass_before = torch.zeros_like(sp)  # probability mass strictly before each sorted position
-        mass_before[:, 1:] = torch.cumsum(sp, dim=-1)[:, :-1]
-        drop |= mass_before >= torch.tensor([top_p[i] for i in need], device=dev)[:, None]
-        drop |= sp < sp[:, :1] * torch.tensor([min_p[i] for i in need], device=dev)[:, None]
-        drop[:, 0] = False
-        sub = sub.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
-        if len(need) == b:
-            return sub
-        probs[idx] = sub
-        return probs
+        sp, order = probs.sort(dim=-1, descending=True, stable=True)
+        ranks = torch.arange(v, device=logits.device)[None, :]
+        mass_before = torch.cumsum(sp, dim=-1) - sp  # probability mass strictly before each sorted position
+        drop = (ranks >= cols[:, 1:2]) | (mass_before >= cols[:, 2:3]) | (sp < sp[:, :1] * cols[:, 3:4])
+        drop[:, 0] = False  # (the most likely token always survives)
+        return probs.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-               output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
-               generators: Sequence[torch.Generator | None],
+               output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int],
                suppress: Sequence[set[int] | frozenset[int] | None] | None = None) -> torch.Tensor:
-        """One token per row of raw logits [B, V] (int64 [B], on their device). `generators[i]` may be None only
-        for a greedy row, and may live on another device (its noise is drawn there and moved)."""
-        if len(generators) != logits.shape[0]:
-            raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(generators)} generators")
+        """One token per row of raw logits [B, V] (int64 [B], on their device). Row i's draw is keyed by
+        (seeds[i], the position it fills: len(prompt_ids[i]) + len(output_ids[i]))."""
+        if len(seeds) != logits.shape[0]:
+            raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(seeds)} seeds")
         x = self.process_logits(logits, params, output_ids, prompt_ids, suppress)
-        b, v = x.shape
-        dev = x.device
-        samp = [i for i, p in enumerate(params) if not p.is_greedy]
-        if not samp:
+        if all(p.is_greedy for p in params):
             return _argmax(x)
-        out = torch.empty(b, dtype=torch.int64, device=dev)
-        greedy = [i for i, p in enumerate(params) if p.is_greedy]
-        if greedy:
-            gi = torch.tensor(greedy, device=dev)
-            out[gi] = _argmax(x[gi])
-        si = torch.tensor(samp, device=dev)
-        probs = self.filtered_probs(x if len(samp) == b else x[si], [params[i] for i in samp])
-        noise = []
-        for i in samp:
-            g = generators[i]
-            if g is None:
-                raise ValueError(f"row {i} samples (temperature {params[i].temperature}) but has no generator")
-            noise.append(torch.empty(v, dtype=torch.float32, device=g.device).exponential_(generator=g).to(dev))
-        race = probs / torch.stack(noise).clamp_(min=torch.finfo(torch.float32).tiny)
-        out[si] = _argmax(race)
-        return out
+        keys = torch.tensor([[_int64(s), len(a) + len(b), p.is_greedy] for s, a, b, p in
+                             zip(seeds, prompt_ids, output_ids, params)], dtype=torch.int64, device=x.device)
+        race = self.filtered_probs(x, params) / exponential_noise(keys[:, 0], keys[:, 1], x.shape[1])
+        return torch.where(keys[:, 2] > 0, _argmax(x), _argmax(race))
+
+
+_M32 = 0xFFFFFFFF
+
+
+def _mix(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply rounds) of int64 values in [0, 2^32); every product stays below
+    2^63 (multipliers under 2^31), so no step overflows int64 on any device."""
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & _M32
+    x = ((x ^ (x >> 15)) * 0x68E31DA5) & _M32
+    return x ^ (x >> 16)
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id): -log(u) with u in (0, 1) from
+    24 hashed bits, (k + 0.5) / 2^24, so neither end of the hash's range gives 0 or infinite noise (at most
+    17.3)."""
+    row = _mix(_mix(_mix(seeds & _M32) ^ ((seeds >> 32) & _M32)) ^ (positions & _M32))  # [B]
+    token = _mix(torch.arange(vocab, dtype=torch.int64, device=seeds.device) + 0x9E3779B9)  # [V]
+    bits = _mix(row[:, None] ^ token[None, :]) >> 8
+    return -torch.log((bits.to(torch.float32) + 0.5) * 2.0 ** -24)
+
+
+def _int64(seed: int) -> int:
+    """A seed of any size (requests may give [-2^63, 2^64), n > 1 adds the sample's index) as an int64."""
+    return (seed + 2**63) % 2**64 - 2**63
 
 
 def _argmax(x: torch.Tensor) -> torch.Tensor:
