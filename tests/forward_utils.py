@@ -23,7 +23,7 @@ class PagedModel:
                                         c.index_head_dim, p.device)
         self.kv = KVCacheManager(size, max_requests, c.max_position_embeddings, p.device, disable_radix_cache=True)
         args = EngineArgs(disable_cuda_graph=not graph_buckets, cuda_graph_bs=graph_buckets)
-        self.runner = ModelRunner(model, self.pool, args)
+        self.runner = ModelRunner(model, self.pool, args, min(size, c.max_position_embeddings))
         if graph_buckets:
             self.runner.warm_up(compile_beside)
 

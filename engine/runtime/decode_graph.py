@@ -3,12 +3,12 @@
 A decode step is one function of the model, the KV pool and fixed-shape tensors (`decode_step` over a
 `DecodeBatch`) with no host sync inside. On CPU it is compiled by inductor ahead of time, twice: for batch 1,
 and with the batch size dynamic for every other bucket (the key length is dynamic in both); each graph is saved
-to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA it is compiled on first
-use with CUDA graphs (`triton.cudagraphs`, what `mode="reduce-overhead"` sets; one graph recorded per bucket and
-key length). A batch is padded up to the next bucket (padding rows write and read only the pool's padding slot
-0); one past the largest bucket runs eager. On a first start (neither CPU graph saved yet) the engine compiles
-its batch-1 graph in a child process, a twin engine with the same arguments, while it compiles the dynamic
-graph itself, then loads the child's.
+to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
+eager step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up. A batch
+is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
+largest bucket runs eager. On a first start (neither CPU graph saved yet) the engine compiles its batch-1 graph
+in a child process, a twin engine with the same arguments, while it compiles the dynamic graph itself, then
+loads the child's.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import time
-import types
 from collections.abc import Callable
 
 import torch
@@ -24,6 +23,7 @@ import torch
 from engine.kernels.linear import kernel as linear_kernel
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
+from engine.runtime.cuda_graph import CudaGraphs
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.graph_passes import MatVecAsReduction, WeightProductsThroughKernel
 from engine.runtime.precompiled import PrecompiledStep, store_path
@@ -34,6 +34,11 @@ logger = logging.getLogger(__name__)
 # The default buckets, as SGLang's list for --cuda-graph-bs starts; capped by --cuda-graph-max-bs.
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CPU_MAX_BS = 64  # NOTE: CPU buckets past 64 rows would add compile time for steps that are compute-bound anyway
+# Decode key tables are padded to a multiple of KEY_BUCKET on CPU (one dynamic graph serves them all), and on CUDA
+# up to the next power of two (at least the model's least key count): one captured graph per such key bucket, up to
+# CUDA_MAX_KEYS keys (past it, eager).
+KEY_BUCKET = 64
+CUDA_MAX_KEYS = 8192
 
 
 def graph_buckets(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
@@ -58,20 +63,18 @@ def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeB
 
 class DecodeGraphs:
     def __init__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, buckets: tuple[int, ...],
-                 device: torch.device, warm_up_keys: int) -> None:
-        self.model, self.pool, self.buckets, self.device, self.warm_up_keys = model, pool, buckets, device, warm_up_keys
+                 device: torch.device, min_keys: int, max_keys: int) -> None:
+        self.model, self.pool, self.buckets, self.device, self.min_keys = model, pool, buckets, device, min_keys
         self._compiled: set[int] = set()
+        self._eager_logged = False
+        self.key_buckets = ()
         if not buckets:
             return
         if device.type == "cuda":
-            for sub in pool.sub_pools():  # NOTE: the pool is written in place: static addresses, or no CUDA graph
-                for t in sub.tensors():
-                    torch._dynamo.mark_static_address(t)
-            # NOTE: no guards on the model's modules (they never change once loaded); `triton.cudagraphs` is what
-            # mode="reduce-overhead" sets. A frame of its own: dynamo keeps graphs per code object.
-            options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, "triton.cudagraphs": True}
-            self._one = self._many = torch.compile(_own_frame(lambda b: decode_step(model, pool, b)), fullgraph=True,
-                                                   options=options)
+            top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
+            self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
+                                                if max(min_keys, 1 << j >> 1) < top))
+            self._cuda = CudaGraphs(lambda b: decode_step(model, pool, b), buckets, self.key_buckets, device)
             return
         # NOTE: two graphs: batch 1 (static; its matrix-vector products as inductor's own sums, see graph_passes)
         # with the C++ wrapper, which saves the Python launch overhead of ~150 kernel calls (measured 4.4 -> 3.1 ms
@@ -85,6 +88,18 @@ class DecodeGraphs:
         many = {"post_grad_custom_post_pass": WeightProductsThroughKernel()} if kind == "many-linear" else {}
         self._many = PrecompiledStep(decode_step, many, store_path(kind, model, pool), _marked)
 
+    def key_width(self, need: int) -> int:
+        """The key-table width of a step whose longest row needs `need` keys: its key bucket."""
+        n = max(self.min_keys, -(-need // KEY_BUCKET) * KEY_BUCKET)
+        return next((k for k in self.key_buckets if k >= n), n)
+
+    def info(self) -> dict:
+        """What was captured, and how serving has used it (for /server_info)."""
+        cuda = self.device.type == "cuda" and bool(self.buckets)
+        return {"batch_sizes": list(self.ready()), "key_buckets": list(self.key_buckets),
+                "graphs": len(self._cuda.graphs) if cuda else len({self._graph(b) for b in self._compiled}),
+                "replays": self._cuda.replays if cuda else None, "guard_misses": self.guard_misses()}
+
     def ready(self) -> tuple[int, ...]:
         return tuple(sorted(self._compiled))
 
@@ -93,7 +108,8 @@ class DecodeGraphs:
 
     def guard_misses(self) -> int:
         """Decode steps that ran eager because a saved graph's guards refused them (CPU; 0 when all is well)."""
-        return sum(g.guard_misses for g in {self._one, self._many} if isinstance(g, PrecompiledStep))
+        cpu = self.device.type == "cpu" and bool(self.buckets)
+        return sum(g.guard_misses for g in {self._one, self._many}) if cpu else 0
 
     def warm_up(self, compile_beside: Callable[[tuple[int, ...]], multiprocessing.Process] | None = None) -> None:
         """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket.
@@ -103,20 +119,28 @@ class DecodeGraphs:
         child while this process compiles the dynamic one, and is then loaded here. NOTE: each compile is one
         core's Python: side by side on 2 cores, a cold start's two take ~95 s instead of 71 + 80 s.
         """
+        if not self.buckets:
+            return
+        if self.device.type == "cuda":
+            t = time.perf_counter()
+            self._cuda.capture()
+            self._compiled.update(self.buckets)
+            logger.info("decode graphs: %d captured (batch %s x keys %s) in %.1f s", len(self._cuda.graphs),
+                        list(self.buckets), list(self.key_buckets), time.perf_counter() - t)
+            return
         order, child = self.buckets, None
-        if (compile_beside is not None and self.device.type == "cpu" and self.buckets[:1] == (1,)
+        if (compile_beside is not None and self.buckets[:1] == (1,)
                 and len(self.buckets) > 1 and not self._one.exists() and not self._many.exists()):
             order, child = self.buckets[1:] + (1,), compile_beside((1,))
         for i, b in enumerate(order):
-            t, how = time.perf_counter(), "captured" if self.device.type == "cuda" else "same graph"
-            example = pad(empty_decode(b, self.warm_up_keys, self.device), b)
+            t = time.perf_counter()
+            example = pad(empty_decode(b, self.min_keys, self.device), b)
             if b == 1 and child is not None:
                 child.join()
                 if child.exitcode != 0:
                     logger.warning("the compile beside exited with %s: compiling here", child.exitcode)
             graph = self._graph(b)
-            if isinstance(graph, PrecompiledStep) and not graph.prepared():
-                how = graph.prepare(self.model, self.pool, example)
+            how = "same graph" if graph.prepared() else graph.prepare(self.model, self.pool, example)
             self._call(b, example)
             self._compiled.add(b)
             logger.info("decode graph %d/%d: batch %d ready in %.1f s (%s)", i + 1, len(self.buckets), b,
@@ -124,21 +148,26 @@ class DecodeGraphs:
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits of every row: through the bucket's graph when there is one, else eager."""
-        rows = batch.input_ids.shape[0]
+        rows, keys = batch.key_slots.shape
         b = self.bucket(rows)
-        if b is None or b not in self._compiled:
+        cuda = self.device.type == "cuda"
+        if b is None or b not in self._compiled or (cuda and (b, keys) not in self._cuda.graphs):
+            if not self._eager_logged and self._compiled:
+                self._eager_logged = True
+                logger.info("a decode step of %d rows x %d keys is past the captured graphs: it runs eager (this "
+                            "is said once)", rows, keys)
             with torch.no_grad():
                 return decode_step(self.model, self.pool, batch)
+        if cuda:
+            return self._cuda.run(batch, b, keys)
         return self._call(b, pad(batch, b))[:rows]
 
-    def _graph(self, b: int) -> Callable:
+    def _graph(self, b: int) -> PrecompiledStep:
         return self._one if b == 1 else self._many  # NOTE: a dimension of size 1 cannot be dynamic
 
     @torch.no_grad()  # NOTE: always: the graphs are compiled under no_grad
     def _call(self, b: int, batch: DecodeBatch) -> torch.Tensor:
-        if self.device.type == "cpu":
-            return self._graph(b)(self.model, self.pool, batch)
-        return self._graph(b)(_marked(batch)).clone()  # (a CUDA graph reuses its output)
+        return self._graph(b)(self.model, self.pool, batch)
 
 
 def _marked(batch: DecodeBatch) -> DecodeBatch:
@@ -148,16 +177,6 @@ def _marked(batch: DecodeBatch) -> DecodeBatch:
         for t in (batch.input_ids, batch.positions, batch.out_cache_loc, batch.key_slots):
             torch._dynamo.mark_dynamic(t, 0)
     return batch
-
-
-def _own_frame(step: Callable[[DecodeBatch], torch.Tensor]) -> Callable[[DecodeBatch], torch.Tensor]:
-    """`step` behind a function with a code object of its own. Dynamo keeps compiled graphs, and the guards
-    that choose among them, per code object: with its own, an engine (several share a process in tests and
-    benchmarks) never runs, nor is guarded against, another engine's graphs."""
-    def frame(batch: DecodeBatch) -> torch.Tensor:
-        return step(batch)
-
-    return types.FunctionType(frame.__code__.replace(), frame.__globals__, "decode_step", None, frame.__closure__)
 
 
 def empty_decode(rows: int, keys: int, device: torch.device) -> DecodeBatch:

@@ -13,20 +13,16 @@ import torch.nn.functional as F
 from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
-from engine.runtime.decode_graph import DecodeGraphs, decode_step, graph_buckets
+from engine.runtime.decode_graph import KEY_BUCKET, DecodeGraphs, decode_step, graph_buckets
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.scheduler import ScheduledBatch
 from mem_cache import MiniMaxSparseKVPool
 
-# NOTE: decode keys are padded (the padding masked) up to a multiple of KEY_BUCKET on CPU, to a power
-# of two (at least KEY_BUCKET) on CUDA, where each key length a graph sees is one more recorded graph.
-# Either way a multiple of SUM_PIECE.
-KEY_BUCKET = 64
-assert KEY_BUCKET % SUM_PIECE == 0
+assert KEY_BUCKET % SUM_PIECE == 0  # (decode key tables are padded to a multiple of both)
 
 
 class ModelRunner:
-    def __init__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, args: EngineArgs) -> None:
+    def __init__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, args: EngineArgs, max_keys: int) -> None:
         self.model, self.pool = model, pool
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -36,7 +32,7 @@ class ModelRunner:
         least = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)
         self.min_keys = -(-least // KEY_BUCKET) * KEY_BUCKET
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
-        self.graphs = DecodeGraphs(model, pool, buckets, self.device, self.min_keys)
+        self.graphs = DecodeGraphs(model, pool, buckets, self.device, self.min_keys, max_keys)
 
     def captured_batch_sizes(self) -> tuple[int, ...]:
         return self.graphs.ready()
@@ -58,10 +54,8 @@ class ModelRunner:
         return self.model.compute_logits(take_rows(self.model(fb, self.pool), logit_rows))
 
     def decode_batch(self, batch: ScheduledBatch, table: torch.Tensor) -> DecodeBatch:
-        """The step's fixed-shape inputs; keys padded to a multiple of KEY_BUCKET (padding is masked)."""
-        need = max(batch.prefix_lens) + 1
-        n = -(-need // KEY_BUCKET) * KEY_BUCKET if self.device.type == "cpu" else max(KEY_BUCKET, 1 << (need - 1).bit_length())
-        n, dev = max(n, self.min_keys), self.device
+        """The step's fixed-shape inputs; keys padded to the graphs' key bucket (padding is masked)."""
+        n, dev = self.graphs.key_width(max(batch.prefix_lens) + 1), self.device
         keys = table[torch.tensor(batch.rows, device=table.device), :n]
         keys = F.pad(keys, (0, n - keys.shape[1]))  # (past the table's width: padding keys, slot 0, masked)
         return DecodeBatch(torch.tensor([x[0] for x in batch.new_ids], dtype=torch.int64, device=dev),

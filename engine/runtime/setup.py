@@ -58,7 +58,8 @@ def build_components(args: EngineArgs
                      ) -> tuple[MiniMaxM3Model, Tokenizer | None, MiniMaxSparseKVPool, KVCacheManager, int]:
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
     device = resolve_device(args.device)
-    build_all()  # (the C kernels built, or found in the cache, now: not inside a first request)
+    if device.type == "cpu":  # (the C kernels, CPU-only, built or found in the cache now: not in a first request)
+        build_all()
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # NOTE: CPUs have no fast bf16
