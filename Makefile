@@ -12,7 +12,7 @@ MODEL  ?= configs/tiny
 TORCH_INDEX ?=
 TORCH_PIP := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: venv test lint serve bench bench-quick bench-graphs bench-quality soak clean corpus tokenizer train
+.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-quality soak clean corpus tokenizer train
 
 venv: $(STAMP)
 
@@ -53,6 +53,13 @@ bench-quick: $(STAMP)
 # Captured vs eager decode vs transformers, batched steps, startup cold/warm (~10 min): docs/benchmarks/decode_graphs.json
 bench-graphs: $(STAMP)
 	$(PY) -m bench.decode_graphs
+
+# The GPU check (~8 min on one GPU; bench/gpu.py): tests/test_cuda.py, the server at 1/64/256 clients, offline steps,
+# captured/eager against transformers, startup, a mid-size model against its HBM roofline: docs/benchmarks/gpu.json.
+# Runs with the Python that has the project's packages and a CUDA torch (GPU_PYTHON).
+GPU_PYTHON ?= $(PY)
+bench-gpu:
+	$(GPU_PYTHON) -m bench.gpu
 
 # The default model's held-out perplexity, sparse vs dense, indexer recall, samples (~5 min): docs/benchmarks/quality.json
 bench-quality: $(STAMP)

@@ -1,0 +1,290 @@
+"""`make bench-gpu` (`python -m bench.gpu`): the whole GPU check in one command, about 8 minutes on one GPU.
+
+1. tests/test_cuda.py.
+2. Startup: `python -m server --device cuda` on configs/tiny until /health is 200, twice (cold, then warm).
+3. The server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
+4. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8, and of 1 row.
+5. Ours captured and eager against transformers `generate`, batch 1 and 64 (the transformers copy of the weights).
+6. A mid-size MiniMax-M3-shaped model (dummy weights, ~1.5B parameters, 64 experts top-4): its capture time and
+   its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run.
+
+Writes docs/benchmarks/gpu.json and prints it with the ratios against the targets. A section that fails is
+recorded with its error and the rest still run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+import httpx
+import torch
+
+from bench.machine import code_version
+from bench.workload import prompt
+from engine.runtime.engine import Engine
+from engine.runtime.engine_args import EngineArgs
+from engine.runtime.request import NewRequest
+from engine.runtime.sampling_params import SamplingParams
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "configs" / "tiny"
+OUT = ROOT / "docs" / "benchmarks" / "gpu.json"
+PORT = 31999
+
+
+def section(results: dict, name: str, fn, *args) -> None:
+    t = time.perf_counter()
+    try:
+        results[name] = fn(*args)
+    except Exception as e:  # (one failed section must not lose the others' figures)
+        results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
+    results[name]["section_s"] = round(time.perf_counter() - t, 1)
+    print(f"== {name} ({results[name]['section_s']} s)\n{json.dumps(results[name], indent=1)[:3000]}", flush=True)
+
+
+def run_tests() -> dict:
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+    return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
+
+
+# ---- the engine offline ----------------------------------------------------------------------------------------
+def engine(model: Path | str, graphs: bool, **kw) -> Engine:
+    args = dict(model_path=str(model), device="cuda", dtype="bfloat16", max_total_tokens=256 * 1024,
+                max_running_requests=256, disable_cuda_graph=not graphs)
+    e = Engine(EngineArgs(**(args | kw)))
+    e.warm_up()
+    return e
+
+
+def decode_steps(e: Engine, rows: int, new: int, temperature: float, prompt_len: int = 128) -> dict:
+    """Median seconds of a decode step with `rows` requests all decoding (prefills excluded)."""
+    params = SamplingParams.from_dict({"max_new_tokens": new, "temperature": temperature, "ignore_eos": True})
+    e.add_requests([NewRequest(prompt(i, prompt_len, 4000), params) for i in range(rows)])
+    times, made = [], 0
+    while e.has_work():
+        decoding = e.stats().num_running == rows and e.stats().num_waiting == 0
+        t = time.perf_counter()
+        outs = e.step()
+        torch.cuda.synchronize()
+        if decoding:
+            times.append(time.perf_counter() - t)
+        made += sum(len(o.new_ids) for o in outs)
+    steady = times[len(times) // 4:]  # (the first steps of a run warm caches and allocators)
+    return {"step_ms": round(1e3 * statistics.median(steady), 3), "steps": len(steady), "tokens": made,
+            "tok_s": round(rows / statistics.median(steady), 1)}
+
+
+def replay_ms(e: Engine, rows: int) -> float:
+    """Milliseconds of one replay of the (rows, shortest keys) graph alone: the step's GPU time, no host work."""
+    graphs = e._runner.graphs
+    graph, _ = graphs._cuda.graphs[(rows, graphs.key_buckets[0])]
+    graph.replay()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(50):
+        graph.replay()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) / 50 * 1e3, 4)
+
+
+def offline() -> dict:
+    t = time.perf_counter()
+    e = engine(TINY, graphs=True)
+    out = {"engine_ready_s": round(time.perf_counter() - t, 1), "graphs": e._runner.graphs.info(),
+           "replay_only_ms": {rows: replay_ms(e, rows) for rows in (1, 64, 256)}}
+    decode_steps(e, 64, 32, 0.0)  # warm
+    for name, rows, temp in (("rows64_greedy", 64, 0.0), ("rows64_t08", 64, 0.8), ("rows1_greedy", 1, 0.0),
+                             ("rows256_greedy", 256, 0.0)):
+        out[name] = decode_steps(e, rows, 128, temp)
+    out["graphs_after"] = e._runner.graphs.info()
+    out["temp_over_greedy_64"] = round(out["rows64_t08"]["step_ms"] / out["rows64_greedy"]["step_ms"], 3)
+    return out
+
+
+# ---- against transformers --------------------------------------------------------------------------------------
+def hf_generate(model, prompts: list[list[int]], new: int) -> float:
+    """Seconds a token (per step) of transformers' greedy `generate` over equal-length prompts."""
+    ids = torch.tensor(prompts, device="cuda")
+    with torch.inference_mode():
+        for n in (2, new):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=n,
+                           min_new_tokens=n, pad_token_id=0)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - t
+    return elapsed / new
+
+
+def versus_transformers() -> dict:
+    from bench.hf_copy import write_hf_copy
+    from engine.model.loader import load_model
+
+    work = Path(tempfile.mkdtemp())
+    write_hf_copy(load_model(TINY), work / "copy", TINY)
+    import transformers
+    from transformers.models.minimax_m3_vl import MiniMaxM3VLForCausalLM
+    transformers.logging.set_verbosity_error()
+    hf = MiniMaxM3VLForCausalLM.from_pretrained(work / "copy", dtype=torch.bfloat16).cuda().eval()
+    out: dict = {"transformers": transformers.__version__}
+    for rows in (1, 64):
+        prompts = [prompt(i, 128, 4000) for i in range(rows)]
+        out[f"transformers_b{rows}_ms"] = round(1e3 * hf_generate(hf, prompts, 64), 3)
+    del hf
+    torch.cuda.empty_cache()
+    for name, graphs in (("captured", True), ("eager", False)):
+        e = engine(work / "copy", graphs, max_total_tokens=64 * 1024, cuda_graph_max_bs=64, max_running_requests=64)
+        for rows in (1, 64):
+            out[f"{name}_b{rows}_ms"] = decode_steps(e, rows, 64 if graphs else 16, 0.0)["step_ms"]
+        del e
+        torch.cuda.empty_cache()
+    for rows in (1, 64):
+        out[f"captured_vs_transformers_b{rows}"] = round(out[f"transformers_b{rows}_ms"] / out[f"captured_b{rows}_ms"], 2)
+        out[f"captured_vs_eager_b{rows}"] = round(out[f"eager_b{rows}_ms"] / out[f"captured_b{rows}_ms"], 2)
+    return out
+
+
+# ---- the server ------------------------------------------------------------------------------------------------
+def start(log: Path) -> tuple[subprocess.Popen, float]:
+    t = time.perf_counter()
+    p = subprocess.Popen([sys.executable, "-m", "server", "--device", "cuda", "--port", str(PORT),
+                          "--max-running-requests", "256", "--max-total-tokens", str(256 * 1024)],
+                         cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
+    while time.perf_counter() - t < 300:
+        try:
+            if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
+                return p, time.perf_counter() - t
+        except httpx.HTTPError:
+            pass
+        if p.poll() is not None:
+            raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
+        time.sleep(0.2)
+    p.kill()
+    raise RuntimeError("no /health 200 within 300 s")
+
+
+async def load(clients: int, new: int, temperature: float) -> dict:
+    """`clients` concurrent clients, one /generate each (256 new tokens): tokens/s over the wall time."""
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=600,
+                                 limits=httpx.Limits(max_connections=clients + 8)) as c:
+        async def one(i: int) -> int:
+            r = await c.post("/generate", json={"input_ids": prompt(1000 + i, 128, 4000), "sampling_params": {
+                "max_new_tokens": new, "temperature": temperature, "ignore_eos": True}})
+            return r.json()["meta_info"]["completion_tokens"] if r.status_code == 200 else 0
+
+        t = time.perf_counter()
+        made = await asyncio.gather(*(one(i) for i in range(clients)))
+        elapsed = time.perf_counter() - t
+    return {"tok_s": round(sum(made) / elapsed, 1), "s": round(elapsed, 2), "ok": sum(m == new for m in made)}
+
+
+def server() -> dict:
+    log = Path(tempfile.mkdtemp()) / "server.log"
+    out: dict = {}
+    p, out["startup_cold_s"] = start(log)
+    try:
+        for clients in (1, 64, 256):
+            for temp in (0.0, 0.8):
+                for run in ("first", "warm"):
+                    out[f"c{clients}_t{temp}_{run}"] = asyncio.run(load(clients, 256, temp))
+        info = httpx.get(f"http://127.0.0.1:{PORT}/server_info", timeout=30).json()
+        out["server_info_graphs"] = {k: v for k, v in info.items() if "graph" in k}
+    finally:
+        p.terminate()
+        p.wait(30)
+    p, out["startup_warm_s"] = start(log)
+    p.terminate()
+    p.wait(30)
+    out["log_tail"] = log.read_text()[-1500:]
+    return out
+
+
+# ---- the mid-size model ----------------------------------------------------------------------------------------
+MID = {"hidden_size": 2048, "num_hidden_layers": 12, "num_attention_heads": 16, "num_key_value_heads": 4,
+       "head_dim": 128, "rotary_dim": 64, "partial_rotary_factor": 0.5, "intermediate_size": 256,
+       "dense_intermediate_size": 4096, "shared_intermediate_size": 256, "num_local_experts": 64,
+       "num_experts_per_tok": 4, "vocab_size": 32768, "moe_layer_freq": [0] + [1] * 11}
+MID_SPARSE = {"sparse_attention_freq": [0, 0] + [1] * 10, "sparse_disable_index_value": [0, 0] + [0, 1] * 5,
+              "sparse_num_index_heads": 4, "sparse_index_dim": 128}
+
+
+def hbm_read_bandwidth() -> float:
+    x = torch.ones(1 << 30, dtype=torch.bfloat16, device="cuda")  # 2 GiB
+    x.sum()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        t = time.perf_counter()
+        x.sum()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t)
+    return x.numel() * 2 / statistics.median(times)
+
+
+def midsize() -> dict:
+    work = Path(tempfile.mkdtemp())
+    cfg = json.loads((TINY / "config.json").read_text())
+    cfg.update(MID)
+    cfg["sparse_attention_config"].update(MID_SPARSE)
+    (work / "config.json").write_text(json.dumps(cfg))
+    t = time.perf_counter()
+    e = engine(work, graphs=True, load_format="dummy", skip_tokenizer_init=True, max_total_tokens=64 * 1024,
+               cuda_graph_max_bs=64, max_running_requests=64)
+    ready = time.perf_counter() - t
+    m = e._runner.model
+    total = sum(p.numel() * p.element_size() for p in m.parameters())
+    experts = sum(mod.w13.numel() * mod.w13.element_size() + mod.w2.numel() * mod.w2.element_size()
+                  for mod in m.modules() if hasattr(mod, "w13"))
+    per_token = total - experts * (1 - MID["num_experts_per_tok"] / MID["num_local_experts"]) \
+        - m.embed_tokens.weight.numel() * m.embed_tokens.weight.element_size()  # (the embedding: one row read)
+    bw = hbm_read_bandwidth()
+    step = decode_steps(e, 1, 128, 0.0, prompt_len=512)
+    roof_ms = per_token / bw * 1e3
+    return {"params": sum(p.numel() for p in m.parameters()), "ready_s": round(ready, 1),
+            "graphs": e._runner.graphs.info(), "bytes_per_token": per_token, "hbm_read_gb_s": round(bw / 1e9, 1),
+            "roofline_ms": round(roof_ms, 4), "batch1_ms": step["step_ms"],
+            "fraction_of_roofline": round(roof_ms / step["step_ms"], 3)}
+
+
+def main() -> None:
+    results: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
+                     "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    only = set(sys.argv[1:])
+    for name, fn in (("tests", run_tests), ("offline", offline), ("versus_transformers", versus_transformers),
+                     ("midsize", midsize), ("server", server)):
+        if not only or name in only:
+            section(results, name, fn)
+    off, srv = results.get("offline", {}), results.get("server", {})
+    vs, mid = results.get("versus_transformers", {}), results.get("midsize", {})
+    results["targets"] = {
+        "server_c64_t08_first_over_offline_greedy (>= 0.8)": _ratio(srv.get("c64_t0.8_first", {}).get("tok_s"),
+                                                                    off.get("rows64_greedy", {}).get("tok_s")),
+        "step_64_rows_ms (<= 2.0)": off.get("rows64_greedy", {}).get("step_ms"),
+        "temperature_over_greedy (<= 1.1)": off.get("temp_over_greedy_64"),
+        "batch1_vs_transformers (>= 20)": vs.get("captured_vs_transformers_b1"),
+        "startup_cold_s (<= 20)": srv.get("startup_cold_s"), "startup_warm_s (<= 5)": srv.get("startup_warm_s"),
+        "midsize_ready_s (<= 60)": mid.get("ready_s"), "midsize_fraction_of_roofline (>= 0.3)": mid.get("fraction_of_roofline"),
+    }
+    print(json.dumps(results["targets"], indent=1))
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(json.dumps(results, indent=1) + "\n")
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+
+
+def _ratio(a, b):
+    return None if not a or not b else round(a / b, 3)
+
+
+if __name__ == "__main__":
+    main()
