@@ -1,5 +1,5 @@
 /* `mat_rows`: rows of a weight matrix against a few input rows (out[p, j] = w[j, :] . x[p, :]), the matrix
- * product both C kernels that multiply by weights use (linear.c, moe_experts.c). float32; the column count and
+ * product the MoE kernel multiplies by its experts' weights with (moe_experts.c). float32; the column count and
  * the rows taken are multiples of LANES (simd.h), which the callers check. */
 #ifndef MINIMAX_MAT_ROWS_H
 #define MINIMAX_MAT_ROWS_H

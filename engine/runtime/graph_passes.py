@@ -1,7 +1,6 @@
-"""Rewrites inductor applies to the CPU decode graphs (`post_grad_custom_post_pass`).
+"""A rewrite inductor applies to the CPU batch-1 decode graph (`post_grad_custom_post_pass`).
 
-WeightProductsThroughKernel (the batched graph): its weight products through linear.c (see the class).
-MatVecAsReduction (the batch-1 graph): every one-row weight product (matrix-vector: the projections, MLPs and
+MatVecAsReduction: every one-row weight product (matrix-vector: the projections, MLPs and
 the LM head of a batch-1 step) written as a multiply-and-sum, which inductor generates itself and runs on every
 thread. NOTE: MKL's sgemv ran them on one
 thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms on an AVX2 machine, 2 threads,
@@ -22,8 +21,6 @@ from torch._inductor.pattern_matcher import (
     PatternMatcherPass,
     register_graph_pattern,
 )
-
-from engine.kernels.linear import fits, linear
 
 aten = torch.ops.aten
 _PATTERNS = PatternMatcherPass(pass_name="matvec_as_reduction")
@@ -53,42 +50,6 @@ def _mm(match: Match, a: torch.fx.Node, b: torch.fx.Node) -> None:
 def _addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node, b: torch.fx.Node) -> None:
     match.replace_by_example(lambda bias, a, b: (a[:, :, None] * b[None]).sum(dim=1) + bias, [bias, a, b])
     _realized(bias, a, b)
-
-
-_WEIGHTS = PatternMatcherPass(pass_name="weight_products_through_kernel")
-
-
-def _weight_t(match: Match) -> bool:
-    a, w = match.kwargs["a"].meta.get("val"), match.kwargs["w"].meta.get("val")
-    return a is not None and w is not None and list(match.kwargs["dims"]) == [1, 0] and fits(a, w)
-
-
-_W_T = CallFunction(aten.permute, KeywordArg("w"), KeywordArg("dims"))
-
-
-@register_graph_pattern(CallFunction(aten.mm, KeywordArg("a"), _W_T), extra_check=_weight_t, pass_dict=_WEIGHTS)
-def _mm_kernel(match: Match, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
-    match.replace_by_example(lambda a, w: linear(a, w), [a, w])
-
-
-@register_graph_pattern(CallFunction(aten.addmm, KeywordArg("bias"), KeywordArg("a"), _W_T), extra_check=_weight_t,
-                        pass_dict=_WEIGHTS)
-def _addmm_kernel(match: Match, bias: torch.fx.Node, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
-    match.replace_by_example(lambda bias, a, w: linear(a, w) + bias, [bias, a, w])
-
-
-class WeightProductsThroughKernel(CustomGraphPass):
-    """The batched decode graph's weight products (x @ w.T, w a [N, K] weight with N and K multiples of 16:
-    every projection, MLP and the LM head of configs/tiny; not the router's 8 rows) through `minimax::linear`
-    (linear.c) instead of MKL's GEMM. NOTE: MKL takes a slow path for so few rows on a 2-core AVX-512 AMD (the
-    kernel alone 1.3-4.3x faster at 8-64 rows, see linear.py; oneDNN, which this pass called for the widest
-    products before, 1.0-2.6x slower than the kernel). Not measured on Intel."""
-
-    def __call__(self, graph: torch.fx.Graph) -> None:
-        _WEIGHTS.apply(graph)
-
-    def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))
 
 
 class MatVecAsReduction(CustomGraphPass):
