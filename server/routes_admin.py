@@ -89,6 +89,7 @@ async def server_info(request: Request) -> dict[str, Any]:
         "status": state.status(),
         "dp_size": 1,
         "captured_decode_batch_sizes": list(st.captured_batch_sizes),
+        "decode_graphs": eng.decode_graphs(),
         "internal_states": [{
             "last_gen_throughput": state.metrics.gen_throughput() if state.metrics is not None else None,
             "num_running_reqs": st.num_running,

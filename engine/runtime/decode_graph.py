@@ -6,9 +6,9 @@ and with the batch size dynamic for every other bucket (the key length is dynami
 to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
 eager step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up. A batch
 is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
-largest bucket runs eager. On a first start (neither CPU graph saved yet) the engine compiles its batch-1 graph
-in a child process, a twin engine with the same arguments, while it compiles the dynamic graph itself, then
-loads the child's.
+largest bucket runs eager. On a first start (neither CPU graph saved yet) the batch-1 graph compiles in a child
+process (`beside`: the model's shape with placeholder weights and an empty pool of the same shape, all a graph's
+file depends on) while this process compiles the dynamic graph, then loads the child's.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ from collections.abc import Callable
 
 import torch
 
-from engine.kernels.linear import kernel as linear_kernel
+from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch
+from engine.model.loader import cast_model, init_dummy_weights
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs
 from engine.runtime.engine_args import EngineArgs
-from engine.runtime.graph_passes import MatVecAsReduction, WeightProductsThroughKernel
+from engine.runtime.graph_passes import MatVecAsReduction
 from engine.runtime.precompiled import PrecompiledStep, store_path
 from mem_cache import MiniMaxSparseKVPool
 
@@ -50,12 +51,6 @@ def graph_buckets(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
     return tuple(b for b in DEFAULT_BUCKETS if b < top) + (top,)
 
 
-def cpu_graph_kinds() -> tuple[str, str]:
-    """The names of the two CPU graphs' files (`store_path`): batch 1, and the batched graph, named after its
-    rewrite (a graph saved where linear.c could not be built is another file)."""
-    return "one", "many" if linear_kernel() is None else "many-linear"
-
-
 def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeBatch) -> torch.Tensor:
     """fp32 logits of every row of a decode step: the function the graphs capture (call it under no_grad)."""
     return model.compute_logits(model(batch, pool))
@@ -67,6 +62,7 @@ class DecodeGraphs:
         self.model, self.pool, self.buckets, self.device, self.min_keys = model, pool, buckets, device, min_keys
         self._compiled: set[int] = set()
         self._eager_logged = False
+        self.eager_steps, self._compiles_at_warm_up = 0, _compiles()  # (steps past the graphs; dynamo's graphs)
         self.key_buckets = ()
         if not buckets:
             return
@@ -84,9 +80,7 @@ class DecodeGraphs:
         one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
                "post_grad_custom_post_pass": MatVecAsReduction()}
         self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
-        kind = cpu_graph_kinds()[1]
-        many = {"post_grad_custom_post_pass": WeightProductsThroughKernel()} if kind == "many-linear" else {}
-        self._many = PrecompiledStep(decode_step, many, store_path(kind, model, pool), _marked)
+        self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
 
     def key_width(self, need: int) -> int:
         """The key-table width of a step whose longest row needs `need` keys: its key bucket."""
@@ -98,7 +92,8 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda" and bool(self.buckets)
         return {"batch_sizes": list(self.ready()), "key_buckets": list(self.key_buckets),
                 "graphs": len(self._cuda.graphs) if cuda else len({self._graph(b) for b in self._compiled}),
-                "replays": self._cuda.replays if cuda else None, "guard_misses": self.guard_misses()}
+                "replays": self._cuda.replays if cuda else None, "guard_misses": self.guard_misses(),
+                "eager_steps": self.eager_steps, "compiles_since_warm_up": _compiles() - self._compiles_at_warm_up}
 
     def ready(self) -> tuple[int, ...]:
         return tuple(sorted(self._compiled))
@@ -114,11 +109,15 @@ class DecodeGraphs:
     def warm_up(self, compile_beside: Callable[[tuple[int, ...]], multiprocessing.Process] | None = None) -> None:
         """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket.
 
-        On CPU, given `compile_beside` (a child process that builds the same engine and compiles the buckets
-        it is given, saving their graph): when neither graph is saved yet, the batch-1 graph compiles in the
+        On CPU, given `compile_beside` (a child process that compiles the buckets it is given and saves their
+        graph, e.g. `beside`): when neither graph is saved yet, the batch-1 graph compiles in the
         child while this process compiles the dynamic one, and is then loaded here. NOTE: each compile is one
         core's Python: side by side on 2 cores, a cold start's two take ~95 s instead of 71 + 80 s.
         """
+        self._warm_up(compile_beside)
+        self._compiles_at_warm_up = _compiles()
+
+    def _warm_up(self, compile_beside: Callable[[tuple[int, ...]], multiprocessing.Process] | None) -> None:
         if not self.buckets:
             return
         if self.device.type == "cuda":
@@ -146,12 +145,23 @@ class DecodeGraphs:
             logger.info("decode graph %d/%d: batch %d ready in %.1f s (%s)", i + 1, len(self.buckets), b,
                         time.perf_counter() - t, how)
 
+    def beside(self, buckets: tuple[int, ...]) -> multiprocessing.Process:
+        """A child process that compiles and saves the graphs of `buckets` for this model's and pool's shapes."""
+        p, pool = next(self.model.parameters()), self.pool
+        shape = (pool.size, pool.dtype, pool.layer_kinds, pool.head_num, pool.head_dim, pool.index_head_dim)
+        child = multiprocessing.get_context("spawn").Process(
+            target=_compile_beside, args=(self.model.cfg, p.dtype, shape, buckets, self.min_keys,
+                                          torch.get_num_threads()), name="decode-graph-compile", daemon=True)
+        child.start()
+        return child
+
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits of every row: through the bucket's graph when there is one, else eager."""
         rows, keys = batch.key_slots.shape
         b = self.bucket(rows)
         cuda = self.device.type == "cuda"
         if b is None or b not in self._compiled or (cuda and (b, keys) not in self._cuda.graphs):
+            self.eager_steps += bool(self._compiled)
             if not self._eager_logged and self._compiled:
                 self._eager_logged = True
                 logger.info("a decode step of %d rows x %d keys is past the captured graphs: it runs eager (this "
@@ -168,6 +178,21 @@ class DecodeGraphs:
     @torch.no_grad()  # NOTE: always: the graphs are compiled under no_grad
     def _call(self, b: int, batch: DecodeBatch) -> torch.Tensor:
         return self._graph(b)(self.model, self.pool, batch)
+
+
+def _compiles() -> int:
+    """Graphs dynamo has compiled in this process (any `torch.compile`, ours or not)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
+def _compile_beside(cfg: ModelConfig, dtype: torch.dtype, pool_shape: tuple, buckets: tuple[int, ...],
+                    min_keys: int, threads: int) -> None:
+    """`DecodeGraphs.beside`'s child: its whole work (the weights' values are never read into a graph's file)."""
+    torch.set_num_threads(threads)
+    model = MiniMaxM3Model(cfg)
+    init_dummy_weights(model)
+    DecodeGraphs(cast_model(model, dtype, "cpu").eval(), MiniMaxSparseKVPool(*pool_shape), buckets,
+                 torch.device("cpu"), min_keys, 0).warm_up()
 
 
 def _marked(batch: DecodeBatch) -> DecodeBatch:

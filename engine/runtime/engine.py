@@ -3,8 +3,6 @@ take new requests and aborts, schedule, run, sample) -> a delta for each touched
 
 from __future__ import annotations
 
-import dataclasses
-import multiprocessing
 import random
 import threading
 import uuid
@@ -107,16 +105,7 @@ class Engine:
     # ---- the engine thread -----------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
-        self._runner.warm_up(self._compile_beside)
-
-    def _compile_beside(self, buckets: tuple[int, ...]) -> multiprocessing.Process:
-        """A child process that builds this engine's twin (the same args: the same graphs, the same cache
-        keys) with only `buckets`, warms it up into the on-disk cache and exits."""
-        twin = dataclasses.replace(self.args, cuda_graph_bs=list(buckets))
-        child = multiprocessing.get_context("spawn").Process(
-            target=_warm_up_twin, args=(twin, torch.get_num_threads()), name="decode-graph-compile", daemon=True)
-        child.start()
-        return child
+        self._runner.warm_up(self._runner.graphs.beside)  # (on CPU: the batch-1 graph compiles beside, first time)
 
     def has_work(self) -> bool:
         with self._cond:
@@ -230,6 +219,10 @@ class Engine:
                            kv.evictable_slots(), kv.cached_slots(), self.pool.total_bytes(),
                            self._runner.captured_batch_sizes())
 
+    def decode_graphs(self) -> dict:
+        """The captured decode graphs, and how many steps replayed them or missed them (for /server_info)."""
+        return self._runner.graphs.info()
+
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests run or wait (after a running step)."""
         with self._step_lock:
@@ -246,8 +239,3 @@ class Engine:
             except AssertionError:
                 return False
 
-
-def _warm_up_twin(args: EngineArgs, threads: int) -> None:
-    """`Engine._compile_beside`'s child: its whole work."""
-    torch.set_num_threads(threads)
-    Engine(args).warm_up()
