@@ -12,7 +12,7 @@ MODEL  ?= configs/tiny
 TORCH_INDEX ?=
 TORCH_PIP := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-quality soak clean corpus tokenizer train
+.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-neighbour bench-quality soak clean corpus tokenizer train
 
 venv: $(STAMP)
 
@@ -45,6 +45,11 @@ bench: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.decode_graphs
+	$(PY) -m bench.neighbour
+
+# Batch-1 decode quiet and beside a busy core, per thread setting (~5 min): docs/benchmarks/neighbour.json
+bench-neighbour: $(STAMP)
+	$(PY) -m bench.neighbour
 
 bench-quick: $(STAMP)
 	$(PY) -m pip install -q -e ".[test,bench]"

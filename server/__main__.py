@@ -15,7 +15,6 @@ import socket
 import sys
 from types import FrameType
 
-import torch
 import uvicorn
 
 from engine.runtime.engine import Engine
@@ -94,8 +93,6 @@ def build_state(args: ServerArgs) -> ServerState:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.num_threads > 0:
-        torch.set_num_threads(args.num_threads)
     try:
         sock = bind(args.host, args.port)
         state = build_state(args)

@@ -18,7 +18,6 @@ class ServerArgs:
     engine: EngineArgs = field(default_factory=EngineArgs)
     host: str = "127.0.0.1"
     port: int = 30000
-    num_threads: int = 0  # torch intra-op threads for this process; 0 keeps torch's default
     served_model_name: str | None = None
     enable_metrics: bool = False
     api_key: str | None = None

@@ -26,6 +26,7 @@ class EngineArgs:
     disable_cuda_graph: bool = False  # decode eager instead of as captured graphs (inductor on CPU)
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests, capped)
     cuda_graph_bs: list[int] | None = None  # the batch-size buckets (None: derived from cuda_graph_max_bs)
+    num_threads: int = 0  # CPU threads (torch's); 0: torch's default less the cores others keep busy at start
 
     def __post_init__(self) -> None:
         for name, least in (("max_running_requests", 1), ("chunked_prefill_size", 1), ("max_total_tokens", 2),

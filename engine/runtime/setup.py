@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -28,6 +29,38 @@ def resolve_device(device: str | None) -> torch.device:
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but CUDA is not available")
     return dev
+
+
+def choose_threads(requested: int, sample_s: float = 0.25) -> int:
+    """torch's thread count for this process: `requested` when given, else torch's default less the cores that
+    other processes keep busy (over half of `sample_s`, read from /proc/stat) at start, at least 1.
+    NOTE: OpenMP's threads wait for each other at every parallel region's barrier, so a thread sharing its core
+    with a busy neighbour stalls them all: configs/tiny's batch-1 step 2.2 ms quiet and 10.7 ms beside one
+    spinning process at 2 threads on 2 cores, 2.5 and 3.1 ms at 1 thread (OMP_WAIT_POLICY=PASSIVE: 12.6 ms quiet;
+    GOMP_SPINCOUNT=10000: 64 ms beside it; bench/neighbour.py). A neighbour that starts later is not seen."""
+    default = torch.get_num_threads()
+    if requested > 0 or default == 1:
+        return requested or 1
+    try:
+        before = _cpu_times()
+        time.sleep(sample_s)
+        after = _cpu_times()
+    except OSError:  # (no /proc/stat: not Linux)
+        return default
+    busy = sum(1 for cpu, (idle, total) in after.items()
+               if total > before[cpu][1] and 1 - (idle - before[cpu][0]) / (total - before[cpu][1]) > 0.5)
+    return max(1, min(default, len(after) - busy))
+
+
+def _cpu_times() -> dict[str, tuple[int, int]]:
+    """Per CPU: (idle + iowait, all) jiffies since boot."""
+    out = {}
+    for line in Path("/proc/stat").read_text().splitlines():
+        name, *ticks = line.split()
+        if name.startswith("cpu") and name != "cpu":
+            t = [int(x) for x in ticks]
+            out[name] = (t[3] + t[4], sum(t[:8]))
+    return out
 
 
 def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
@@ -59,6 +92,11 @@ def build_components(args: EngineArgs
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
     device = resolve_device(args.device)
     if device.type == "cpu":  # (the C kernels, CPU-only, built or found in the cache now: not in a first request)
+        threads = choose_threads(args.num_threads)
+        if threads != torch.get_num_threads():
+            logger.info("%d CPU threads (%s)", threads, "--num-threads" if args.num_threads else
+                        f"{torch.get_num_threads() - threads} of {torch.get_num_threads()} cores busy at start")
+            torch.set_num_threads(threads)
         build_all()
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
