@@ -20,9 +20,9 @@ import torch
 from engine_utils import TINY, make_engine, solo
 from hf_models import build_hf_model
 
-from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
+from engine.runtime.graph_passes import SUM_PIECE
 from engine.runtime.precompiled import store_path
 from tests.forward_utils import PagedModel, assert_captured_equals_eager
 from tests.server_utils import start_server

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch._inductor.utils import run_and_get_code
 
-from engine.runtime.graph_passes import MatVecAsReduction
+from engine.runtime.graph_passes import BatchOneForms
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -21,7 +21,7 @@ def test_one_row_weight_products_become_inductor_sums(bias):
 
     for rows, rewritten in ((1, True), (3, False)):
         torch._dynamo.reset()
-        compiled = torch.compile(f, fullgraph=True, options={"post_grad_custom_post_pass": MatVecAsReduction()})
+        compiled = torch.compile(f, fullgraph=True, options={"post_grad_custom_post_pass": BatchOneForms()})
         x = torch.randn(rows, 64, generator=g)
         with torch.no_grad():
             got, code = run_and_get_code(compiled, x)

@@ -11,7 +11,7 @@ import torch
 from engine.kernels import build, moe_experts
 from engine.kernels.moe_experts import on_kernel
 from engine.model.config_json import load_config
-from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from engine.model.layers import MoE, apply_rope, gathered_experts, rms_norm, rope_cos_sin, rope_inv_freq
 from tests.engine_utils import TINY
 from tests.kernel_utils import needs_compiler, without_compiler
 
@@ -93,7 +93,7 @@ def test_moe_forms_match_reference(forced):
             ids, w = moe.route(x)
             shared = moe.shared(x)
             for got in (moe(x), moe._grouped(x, ids, w) * moe.scale + shared,
-                        moe._gathered(x, ids, w) * moe.scale + shared):
+                        gathered_experts(x, ids, w, moe.w13, moe.w2, moe.alpha, moe.limit) * moe.scale + shared):
                 assert (got.double() - want).abs().max().item() < 1e-4
 
 

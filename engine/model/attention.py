@@ -8,18 +8,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_attention import block_rows, paged_attention, paged_block_attention
+from engine.kernels.paged_attention import paged_attention, paged_block_attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
-from engine.model.indexer import NEG_INF, block_scores, select_blocks
+from engine.model.indexer import block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
-# The batch-1 decode softmax sums its keys in pieces of this many (see `attend`). A decode step's key count
-# is a multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece
-# count is a size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
-SUM_PIECE = 64
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
@@ -31,25 +27,6 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
             for s in batch.segments]
     o = torch.cat([a for a, _ in outs])
     return o, (torch.cat([u for _, u in outs]) if outs[0][1] is not None else None)
-
-
-def attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
-           scale: float) -> torch.Tensor:
-    """`paged_attention`, except for one query row, where inductor's own gathers and a written-out softmax are
-    cheaper than the op's dispatch (NOTE: batch-1 decode, 11 calls a step: ~180 us each as the op).
-    NOTE: the max and the sum run in two levels (N/SUM_PIECE x SUM_PIECE): inductor's CPU code sums more than
-    4096 floats another way and guards the length on it, so a one-level sum split the graph at 4096 keys (a
-    recompile mid-serving). Written out this way the batch-1 step is 1.8-2.3 ms against 2.6 ms through SDPA,
-    and against 2.3-2.5 ms with the padding left to the max and the sum instead of sliced off (configs/tiny,
-    320 keys)."""
-    if q.shape[0] > 1 or not torch.compiler.is_compiling():
-        return paged_attention(q, k_buf, v_buf, rows, keep, scale)
-    d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
-    k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
-    s = F.pad((q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece),
-              value=NEG_INF)  # fp32 (model.md §2), as SDPA's softmax; no-ops on fp32
-    p = torch.exp(s - s.unflatten(-1, (-1, piece)).amax(-1).amax(-1, keepdim=True))  # [1, H, G, N padded]
-    return ((p[..., :n] @ v.float()) / p.unflatten(-1, (-1, piece)).sum(-1).sum(-1, keepdim=True)).to(q.dtype)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
@@ -66,7 +43,7 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
     qh = q.view(rows, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, n_kv, G, D]: GQA group g = head // G
     scale = cfg.head_dim ** -0.5
     if kind == "dense":
-        o = attend(qh, k_buf, v_buf, _rows(b.key_slots, cfg.num_kv_heads), visible, scale)
+        o = paged_attention(qh, k_buf, v_buf, _rows(b.key_slots, cfg.num_kv_heads), visible, scale)
     else:  # NOTE: for any context length: with at most K blocks visible, all are selected (model.md §3.3)
         ik_buf = pool.get_index_k_buffer(layer_id)
         scores = block_scores(iq[:, None], ik_buf[b.key_slots][:, :, 0], visible[:, 0], cfg.block_size)
@@ -76,8 +53,8 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
-        u = attend(iq[:, None], ik_buf, iv_buf, b.key_slots[:, None, :], visible,
-                   cfg.index_head_dim ** -0.5).reshape(rows, -1)
+        u = paged_attention(iq[:, None], ik_buf, iv_buf, b.key_slots[:, None, :], visible,
+                            cfg.index_head_dim ** -0.5).reshape(rows, -1)
     return o.reshape(rows, -1), u
 
 
@@ -88,10 +65,7 @@ def sparse_attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key
     key_slots [R, N]: each query's key slots (rows of one sequence may share one)."""
     rows, n_kv = q.shape[0], k_buf.shape[1]
     qh = q.view(rows, n_kv, -1, q.shape[-1])
-    if rows > 1 or not torch.compiler.is_compiling():
-        return paged_block_attention(qh, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale).reshape(rows, -1)
-    keys, keep = block_rows(key_slots, blocks, q_pos, block_size)  # (one row in a compiled graph: see `attend`)
-    return attend(qh, k_buf, v_buf, keys, keep[:, :, None], scale).reshape(rows, -1)
+    return paged_block_attention(qh, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale).reshape(rows, -1)
 
 
 # ---- extend: one request's chunk of queries --------------------------------------------------------------

@@ -26,7 +26,7 @@ from engine.model.loader import cast_model, init_dummy_weights
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs
 from engine.runtime.engine_args import EngineArgs
-from engine.runtime.graph_passes import MatVecAsReduction
+from engine.runtime.graph_passes import BatchOneForms
 from engine.runtime.precompiled import PrecompiledStep, store_path
 from mem_cache import MiniMaxSparseKVPool
 
@@ -78,7 +78,7 @@ class DecodeGraphs:
         # ~20 s faster. The C++ wrapper is built apart from its kernels (the wrapper at -O1): its cold compile 80 ->
         # 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
         one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
-               "post_grad_custom_post_pass": MatVecAsReduction()}
+               "post_grad_custom_post_pass": BatchOneForms()}
         self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
         self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
 

@@ -1,6 +1,11 @@
-"""A rewrite inductor applies to the CPU batch-1 decode graph (`post_grad_custom_post_pass`).
+"""The rewrites inductor applies to the CPU batch-1 decode graph (`post_grad_custom_post_pass`, `BatchOneForms`):
+the model's ops for one row in forms inductor fuses, then its weight products as inductor's own sums.
 
-MatVecAsReduction: every one-row weight product (matrix-vector: the projections, MLPs and
+The ops: one row's `paged_attention` and `paged_block_attention` as gathers and a written-out softmax (the op's
+dispatch cost ~180 us a call; a batch-1 step makes 11), and its `moe_experts` as dot products over its k experts'
+gathered rows (`gathered_experts`), which inductor reads in place.
+
+Every one-row weight product (matrix-vector: the projections, MLPs and
 the LM head of a batch-1 step) written as a multiply-and-sum, which inductor generates itself and runs on every
 thread. NOTE: MKL's sgemv ran them on one
 thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms on an AVX2 machine, 2 threads,
@@ -13,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 from torch._inductor.pattern_matcher import (
     CallFunction,
@@ -22,8 +28,66 @@ from torch._inductor.pattern_matcher import (
     register_graph_pattern,
 )
 
-aten = torch.ops.aten
+from engine.kernels import moe_experts, paged_attention
+from engine.model import layers
+from engine.model.layers import gathered_experts
+
+aten, minimax = torch.ops.aten, torch.ops.minimax
 _PATTERNS = PatternMatcherPass(pass_name="matvec_as_reduction")
+_OPS = PatternMatcherPass(pass_name="one_row_ops")
+# One row's softmax sums its keys in pieces of this many (see `one_row_attention`). A decode step's key count is a
+# multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece count is a
+# size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
+SUM_PIECE = 64
+NEG_INF = float("-inf")
+
+
+def one_row_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
+                      keep: torch.Tensor, scale: float) -> torch.Tensor:
+    """`paged_attention` of one query row, written out. NOTE: the max and the sum run in two levels (N/SUM_PIECE x
+    SUM_PIECE): inductor's CPU code sums more than 4096 floats another way and guards the length on it, so a
+    one-level sum split the graph at 4096 keys (a recompile mid-serving). Written out this way the batch-1 step is
+    1.8-2.3 ms against 2.6 ms through SDPA, and against 2.3-2.5 ms with the padding left to the max and the sum
+    instead of sliced off (configs/tiny, 320 keys)."""
+    d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
+    k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
+    s = F.pad((q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece),
+              value=NEG_INF)  # fp32 (model.md §2), as SDPA's softmax; no-ops on fp32
+    p = torch.exp(s - s.unflatten(-1, (-1, piece)).amax(-1).amax(-1, keepdim=True))  # [1, H, G, N padded]
+    return ((p[..., :n] @ v.float()) / p.unflatten(-1, (-1, piece)).sum(-1).sum(-1, keepdim=True)).to(q.dtype)
+
+
+def _first_one_row(match: Match) -> bool:
+    x = match.kwargs["q"].meta.get("val")
+    return x is not None and isinstance(x.shape[0], int) and x.shape[0] == 1
+
+
+_ARGS = [KeywordArg(n) for n in ("q", "k", "v")]
+
+
+@register_graph_pattern(CallFunction(minimax.paged_attention.default, *_ARGS, KeywordArg("rows"), KeywordArg("keep"),
+                                     KeywordArg("scale")), extra_check=_first_one_row, pass_dict=_OPS)
+def _attention(match: Match, q, k, v, rows, keep, scale: float) -> None:
+    match.replace_by_example(lambda q, k, v, rows, keep: one_row_attention(q, k, v, rows, keep, scale),
+                             [q, k, v, rows, keep])
+
+
+@register_graph_pattern(CallFunction(minimax.paged_block_attention.default, *_ARGS, KeywordArg("slots"),
+                                     KeywordArg("blocks"), KeywordArg("q_pos"), KeywordArg("block_size"),
+                                     KeywordArg("scale")), extra_check=_first_one_row, pass_dict=_OPS)
+def _block_attention(match: Match, q, k, v, slots, blocks, q_pos, block_size: int, scale: float) -> None:
+    def one_row(q, k, v, slots, blocks, q_pos):
+        rows, keep = paged_attention.block_rows(slots, blocks, q_pos, block_size)
+        return one_row_attention(q, k, v, rows, keep[:, :, None], scale)
+
+    match.replace_by_example(one_row, [q, k, v, slots, blocks, q_pos])
+
+
+@register_graph_pattern(CallFunction(minimax.moe_experts.default, *(KeywordArg(n) for n in ("q", "ids", "w", "w13", "w2")),
+                                     KeywordArg("alpha"), KeywordArg("limit")), extra_check=_first_one_row, pass_dict=_OPS)
+def _moe(match: Match, q, ids, w, w13, w2, alpha: float, limit: float) -> None:
+    match.replace_by_example(lambda x, ids, w, w13, w2: gathered_experts(x, ids, w, w13, w2, alpha, limit),
+                             [q, ids, w, w13, w2])
 
 
 def _one_row(match: Match) -> bool:
@@ -52,9 +116,10 @@ def _addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node, b: torch.fx.Node
     _realized(bias, a, b)
 
 
-class MatVecAsReduction(CustomGraphPass):
+class BatchOneForms(CustomGraphPass):
     def __call__(self, graph: torch.fx.Graph) -> None:
+        _OPS.apply(graph)
         _PATTERNS.apply(graph)
 
-    def uuid(self) -> Any:
-        return get_hash_for_files((__file__,))  # (inductor's compile cache keys on this file's text)
+    def uuid(self) -> Any:  # (inductor's compile cache keys on these files' text: the pass and the forms it writes)
+        return get_hash_for_files((__file__, layers.__file__, paged_attention.__file__, moe_experts.__file__))

@@ -10,11 +10,11 @@ from multiprocessing import Process
 import torch
 import torch.nn.functional as F
 
-from engine.model.attention import SUM_PIECE
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.decode_graph import KEY_BUCKET, DecodeGraphs, decode_step, graph_buckets
 from engine.runtime.engine_args import EngineArgs
+from engine.runtime.graph_passes import SUM_PIECE
 from engine.runtime.scheduler import ScheduledBatch
 from mem_cache import MiniMaxSparseKVPool
 
