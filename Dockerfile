@@ -22,6 +22,8 @@ COPY configs ./configs
 
 RUN useradd --create-home --uid 1000 app && mkdir -p /app/.cache/inductor && chown -R app /app
 USER app
+# The compile cache (CPU decode graphs, C kernels): a volume, so a restarted container loads what it built (seconds)
+VOLUME /app/.cache/inductor
 
 EXPOSE 30000
 HEALTHCHECK --interval=30s --timeout=5s --start-period=120s --retries=3 \
