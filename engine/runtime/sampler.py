@@ -114,13 +114,17 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id): -log(u) with u in (0, 1) from
-    24 hashed bits, (k + 0.5) / 2^24, so neither end of the hash's range gives 0 or infinite noise (at most
-    17.3)."""
+    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id): -log(u), u from 23 hashed
+    bits (`unit`), so neither end of the hash's range gives 0 or infinite noise (at most 16.6)."""
     row = _mix(_mix(_mix(seeds & _M32) ^ ((seeds >> 32) & _M32)) ^ (positions & _M32))  # [B]
     token = _mix(torch.arange(vocab, dtype=torch.int64, device=seeds.device) + 0x9E3779B9)  # [V]
-    bits = _mix(row[:, None] ^ token[None, :]) >> 8
-    return -torch.log((bits.to(torch.float32) + 0.5) * 2.0 ** -24)
+    return -torch.log(unit(_mix(row[:, None] ^ token[None, :])))
+
+
+def unit(bits: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes (int64 in [0, 2^32)) as float32 in (0, 1): (k + 0.5) / 2^23 of their top 23 bits, exact in
+    float32 (24 bits would round the top value up to 1, and -log(1) is a noise of 0)."""
+    return ((bits >> 9).to(torch.float32) + 0.5) * 2.0 ** -23
 
 
 def _int64(seed: int) -> int:
