@@ -120,7 +120,9 @@ class AsyncEngine:
         self.engine.wake()
         self._thread.join(timeout=10)
         while self._calls:
-            self._calls.popleft()[1].set_exception(EngineDeadError("the engine has stopped"))
+            done = self._calls.popleft()[1]
+            if done.set_running_or_notify_cancel():
+                done.set_exception(EngineDeadError("the engine has stopped"))
 
     @property
     def alive(self) -> bool:
@@ -143,6 +145,8 @@ class AsyncEngine:
             work = self.engine.wait_for_work()
             while self._calls:
                 fn, done = self._calls.popleft()
+                if not done.set_running_or_notify_cancel():  # (its caller gave up: not run)
+                    continue
                 try:
                     done.set_result(fn())
                 except Exception as e:  # noqa: BLE001 - raised in the caller

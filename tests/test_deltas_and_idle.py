@@ -231,3 +231,24 @@ def test_drain_wakes_on_the_last_requests_end_and_runs_once():
 
     out = asyncio.run(main())
     assert out.finish_reason["type"] == "length" and out.completion_tokens == 24
+
+
+def test_an_engine_thread_call_its_caller_gave_up_on_is_skipped_and_the_engine_lives():
+    """A call cancelled while it waits behind another is never run, and the engine thread serves on."""
+    async def main():
+        ae = AsyncEngine(lambda: make_engine(max_total_tokens=4096))
+        ae.start(asyncio.get_running_loop())
+        ran: list[str] = []
+        try:
+            busy = asyncio.ensure_future(ae.on_engine_thread(lambda: time.sleep(0.3) or ran.append("busy")))
+            await asyncio.sleep(0.05)  # (the engine thread is inside the first call now)
+            cancelled = asyncio.ensure_future(ae.on_engine_thread(lambda: ran.append("cancelled")))
+            await asyncio.sleep(0)
+            cancelled.cancel()
+            await busy
+            assert await asyncio.wait_for(ae.on_engine_thread(lambda: "after"), 10) == "after" and ae.alive
+            return ran
+        finally:
+            ae.stop()
+
+    assert asyncio.run(main()) == ["busy"]
