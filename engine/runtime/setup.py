@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 
@@ -37,15 +38,17 @@ def choose_threads(requested: int, sample_s: float = 0.25) -> int:
     NOTE: OpenMP's threads wait for each other at every parallel region's barrier, so a thread sharing its core
     with a busy neighbour stalls them all: configs/tiny's batch-1 step 2.2 ms quiet and 10.7 ms beside one
     spinning process at 2 threads on 2 cores, 2.5 and 3.1 ms at 1 thread (OMP_WAIT_POLICY=PASSIVE: 12.6 ms quiet;
-    GOMP_SPINCOUNT=10000: 64 ms beside it; bench/neighbour.py). A neighbour that starts later is not seen."""
+    GOMP_SPINCOUNT=10000: 64 ms beside it; bench/neighbour.py). A neighbour that starts later is not seen, and a start
+    beside one compiles the CPU graphs for its thread count (their files' names hold it) if none is saved yet."""
     default = torch.get_num_threads()
     if requested > 0 or default == 1:
         return requested or 1
     try:
+        mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}  # (the CPUs this process may run on)
         before = _cpu_times()
         time.sleep(sample_s)
-        after = _cpu_times()
-    except OSError:  # (no /proc/stat: not Linux)
+        after = {cpu: t for cpu, t in _cpu_times().items() if cpu in mine and cpu in before}
+    except (OSError, AttributeError):  # (no /proc/stat or affinity: not Linux)
         return default
     busy = sum(1 for cpu, (idle, total) in after.items()
                if total > before[cpu][1] and 1 - (idle - before[cpu][0]) / (total - before[cpu][1]) > 0.5)
