@@ -35,30 +35,34 @@ def spin() -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", "while True: pass"])
 
 
+def stop(spinner: subprocess.Popen | None) -> None:
+    if spinner is not None:
+        spinner.kill()
+        spinner.wait()
+
+
 def child(threads: int, spin_at_start: bool) -> None:
     from bench.ours import make_engine, timed_generate
     from bench.workload import greedy, prompt
     from engine.runtime.engine import Engine  # noqa: F401  (imports torch after the environment is set)
 
     spinner = spin() if spin_at_start else None
-    time.sleep(0.5 if spinner else 0)
-    engine = make_engine(ROOT / "configs" / "tiny", cuda_graph_bs=[1], max_total_tokens=4096, num_threads=threads)
-    if spinner:
-        spinner.kill()
-        spinner.wait()
+    try:
+        time.sleep(0.5 if spinner else 0)
+        engine = make_engine(ROOT / "configs" / "tiny", cuda_graph_bs=[1], max_total_tokens=4096, num_threads=threads)
+    finally:
+        stop(spinner)
     ids = prompt(0, 128, 4000)
     timed_generate(engine, ids, 32, greedy)  # warm
     quiet, busy = [], []
     for _ in range(ROUNDS):
         for times, neighbour in ((quiet, False), (busy, True)):
             spinner = spin() if neighbour else None
-            if spinner:
-                time.sleep(0.5)  # (the spinner at full speed first)
-            t = timed_generate(engine, ids, NEW, greedy)
-            times.append(1e3 / t.decode_tok_s)
-            if spinner:
-                spinner.kill()
-                spinner.wait()
+            try:
+                time.sleep(0.5 if spinner else 0)  # (the spinner at full speed first)
+                times.append(1e3 / timed_generate(engine, ids, NEW, greedy).decode_tok_s)
+            finally:
+                stop(spinner)
     import torch
     print(json.dumps({"threads": torch.get_num_threads(), "quiet_ms": statistics.median(quiet),
                       "busy_ms": statistics.median(busy), "quiet_all": quiet, "busy_all": busy}))

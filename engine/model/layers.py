@@ -4,6 +4,8 @@ both checkpoint layouts into it."""
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -69,6 +71,20 @@ class GatedMLP(nn.Module):
         return F.linear(swiglu_oai(F.linear(x, self.gate_up_proj), self.alpha, self.limit), self.down_proj)
 
 
+GATHER_ROWS = 16
+
+
+@functools.cache
+def _hopper_or_later(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] in (9, 10)
+
+
+def grouped_kernel(x: torch.Tensor) -> bool:
+    """Whether torch's grouped matmul takes x without reading its group sizes on the host: on CPU (no sync to
+    make), and in bfloat16 on Hopper/Blackwell GPUs (its grouped kernel; elsewhere a loop over the groups)."""
+    return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and _hopper_or_later(x.device))
+
+
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      alpha: float, limit: float) -> torch.Tensor:
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: each token through its k experts, as dot
@@ -108,17 +124,19 @@ class MoE(nn.Module):
         """MoE(x): each token through its k chosen experts only, in static-shape forms with no host sync (a
         captured step runs them as they are). On CPU in float32 the C kernel, which groups the tokens by expert
         itself. Else the (token, expert) pairs sorted by expert through grouped matmuls, where torch's grouped
-        kernel takes the dtype without a sync (bfloat16; any on CPU), and the gathered experts otherwise (float32
-        on CUDA, whose grouped matmul reads the group sizes on the host).
+        kernel runs without a sync (`grouped_kernel`), and the gathered experts otherwise (float32 on CUDA, or a
+        GPU before Hopper, where the grouped matmul reads the group sizes on the host).
         NOTE: configs/tiny layer, 2 threads, kernel vs a loop over the experts vs every expert for every token:
         32 tokens 0.33 / 0.58 / 0.90 ms, 64 tokens 0.51 / 0.80 / 1.54 ms, 2048 tokens 12.9 / 14.1 / 86 ms."""
         ids, w = self.route(x)
         if on_kernel(x, self.w13, self.w2):
             routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
-        elif x.dtype == torch.bfloat16 or x.device.type == "cpu":
+        elif grouped_kernel(x):
             routed = self._grouped(x, ids, w)
-        else:
-            routed = gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
+        else:  # (in pieces of GATHER_ROWS tokens: the gathered weights are k expert copies a token)
+            routed = torch.cat([gathered_experts(x[i:i + GATHER_ROWS], ids[i:i + GATHER_ROWS], w[i:i + GATHER_ROWS],
+                                                 self.w13, self.w2, self.alpha, self.limit)
+                                for i in range(0, x.shape[0], GATHER_ROWS)])
         out = routed * self.scale
         return out if self.shared is None else out + self.shared(x)
 
