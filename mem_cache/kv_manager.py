@@ -24,6 +24,7 @@ class ReqToTokenPool:
         self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
         self._free: list[int] = []
+        self._last: tuple[list, torch.Tensor] | None = None  # the last write's parts and flat index
         self._in_use: list[bool] = []
         self.clear()
 
@@ -76,9 +77,15 @@ class ReqToTokenPool:
             if start < 0 or n < 0 or start + n > self.max_context_len:
                 raise ValueError(f"ReqToTokenPool.write: positions [{start}, {start + n}) exceed max_context_len "
                                  f"{self.max_context_len}")
-        w = self.max_context_len
-        flat = torch.tensor([row * w + p for row, start, n in parts for p in range(start, start + n)],
-                            dtype=torch.int64, device=self.device)
+        w, last = self.max_context_len, self._last
+        # NOTE: a decode step after one over the same rows writes each row's next position: the last index plus
+        # one, on the device (no index built from a Python list: a host-to-device copy a step)
+        steady = last is not None and len(parts) == len(last[0]) and all(
+            n == m == 1 and r == q and a == b + 1 for (r, a, n), (q, b, m) in zip(parts, last[0]))
+        flat = last[1] + 1 if steady else torch.tensor(
+            [row * w + p for row, start, n in parts for p in range(start, start + n)], dtype=torch.int64,
+            device=self.device)
+        self._last = (list(parts), flat)
         self.req_to_token.view(-1).index_copy_(0, flat, slots.reshape(-1).to(self.req_to_token))
 
     def clear(self) -> None:

@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from engine.model.layers import MoE
 from engine.model.loader import load_model
+from engine.runtime.model_runner import ModelRunner
 from tests.forward_utils import PagedModel
 
 
@@ -86,3 +87,50 @@ def test_ops_per_decode_step_do_not_grow_with_rows(temperature):
     """The same count at 2 and 32 rows (a batch of 1 may take a few ops fewer: no row to pick)."""
     few, many = _ops_per_step(2, temperature), _ops_per_step(32, temperature)
     assert many == few, (few, many)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_steady_decode_step_crosses_to_the_host_once(monkeypatch, temperature):
+    """Tensors built from host data (`torch.tensor`), `.tolist()`, `.item()` and `.cpu()` during steady decode steps
+    (the same requests as the step before): only the sampled ids' `.tolist()` (a dispatch mode does not see it)."""
+    engine = make_engine(max_running_requests=64)
+    for r in range(8):
+        submit(engine, [10 + r] * 40, max_new_tokens=12, temperature=temperature, top_p=0.9, ignore_eos=True)
+    for _ in range(3):  # a prefill, then decode steps
+        engine.step()
+    crossings: list[str] = []
+
+    def counted(name: str, real):
+        return lambda *a, **k: crossings.append(name) or real(*a, **k)
+
+    monkeypatch.setattr(torch, "tensor", counted("torch.tensor", torch.tensor))
+    for name in ("tolist", "item", "cpu"):
+        monkeypatch.setattr(torch.Tensor, name, counted(name, getattr(torch.Tensor, name)))
+    for _ in range(4):
+        crossings.clear()
+        assert engine.step() and engine.stats().num_running == 8
+        assert crossings == ["tolist"], crossings
+
+
+def test_carried_decode_inputs_give_the_tokens_built_ones_give(monkeypatch):
+    """Requests joining, finishing and sampling at different temperatures mid-run: the same tokens with the
+    decode inputs carried on the device from step to step as with every step's built from Python lists."""
+    def run() -> dict[str, list[int]]:
+        engine = make_engine(max_running_requests=64, max_total_tokens=4096)
+        out: dict[str, list[int]] = {}
+        for wave in range(3):
+            for r in range(4):
+                submit(engine, [10 + r + wave] * (30 + 7 * r), max_new_tokens=5 + 3 * r + wave,
+                       temperature=0.8 * (r % 2), sampling_seed=100 * wave + r, ignore_eos=True)
+            for _ in range(6):
+                for o in engine.step():
+                    out.setdefault(o.rid, []).extend(o.new_ids)
+        while engine.has_work():
+            for o in engine.step():
+                out.setdefault(o.rid, []).extend(o.new_ids)
+        return {rid: ids for rid, ids in out.items()}  # (rids are random: compare the values in order)
+
+    carried = run()
+    monkeypatch.setattr(ModelRunner, "_carried", lambda self, batch: None)
+    built = run()
+    assert sorted(map(tuple, carried.values())) == sorted(map(tuple, built.values())) and len(carried) == 12

@@ -173,7 +173,9 @@ class Engine:
         reqs, logits = [reqs[i] for i in live], take_rows(logits, live)
         suppress = [r.stop.suppressed(len(r.output_ids)) for r in reqs]
         tokens = self._sampler.sample(logits, [r.params for r in reqs], [r.output_ids for r in reqs],
-                                      [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress).tolist()
+                                      [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress)
+        self._runner.sampled(reqs, tokens)
+        tokens = tokens.tolist()  # (the step's one device-to-host copy)
         for req, row, tok in zip(reqs, logits, tokens):
             try:
                 reason = self._accept(req, row, tok)

@@ -33,7 +33,11 @@ def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.
 
 
 class Sampler:
-    """Stateless batched sampler over raw model logits; see the module docstring for semantics."""
+    """Batched sampler over raw model logits; see the module docstring for semantics. Its one piece of state is
+    the last call's per-row tensors, reused when the next call is the same requests one position further."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None
 
     def process_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
@@ -68,14 +72,13 @@ class Sampler:
             x[torch.tensor(r, device=x.device), torch.tensor(c, device=x.device)] = float("-inf")
         return x
 
-    def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                       cols: torch.Tensor | None = None) -> torch.Tensor:
         """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0,
         not renormalized; every row is treated as sampling (callers handle greedy rows). The same operations for
-        any mix of rows: each row's settings are a column of one tensor."""
+        any mix of rows: each row's settings are a row of `cols` (`settings`)."""
         v = logits.shape[1]
-        cols = torch.tensor([[p.temperature if not p.is_greedy else 1.0, p.top_k if 0 < p.top_k < v else v,
-                              p.top_p if p.top_p < 1.0 else 2.0, p.min_p] for p in params],
-                            dtype=torch.float32, device=logits.device)
+        cols = settings(params, v, logits.device) if cols is None else cols
         probs = torch.softmax(logits / cols[:, :1], dim=-1)
         if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             return probs
@@ -96,10 +99,34 @@ class Sampler:
         x = self.process_logits(logits, params, output_ids, prompt_ids, suppress)
         if all(p.is_greedy for p in params):
             return _argmax(x)
-        keys = torch.tensor([[_int64(s), len(a) + len(b), p.is_greedy] for s, a, b, p in
-                             zip(seeds, prompt_ids, output_ids, params)], dtype=torch.int64, device=x.device)
-        race = self.filtered_probs(x, params) / exponential_noise(keys[:, 0], keys[:, 1], x.shape[1])
+        cols, keys = self._rows(params, seeds, [len(a) + len(b) for a, b in zip(prompt_ids, output_ids)], x)
+        race = self.filtered_probs(x, params, cols) / exponential_noise(keys[:, 0], keys[:, 1], x.shape[1])
         return torch.where(keys[:, 2] > 0, _argmax(x), _argmax(race))
+
+    def _rows(self, params: Sequence[SamplingParams], seeds: Sequence[int], positions: list[int],
+              x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's settings [B, 4] and (seed, position, greedy) [B, 3]. NOTE: for the same requests as the last
+        call, each one position further (steady decode), the last call's tensors with the positions advanced on the
+        device: no tensor built from Python lists (a host-to-device copy each, a step)."""
+        last = self._last
+        if (last is not None and len(last[0]) == len(params) and all(a is b for a, b in zip(last[0], params))
+                and last[1] == list(seeds) and all(p == q + 1 for p, q in zip(positions, last[2]))):
+            cols, keys = last[3], last[4].clone()
+            keys[:, 1] += 1
+        else:
+            cols = settings(params, x.shape[1], x.device)
+            keys = torch.tensor([[_int64(s), n, p.is_greedy] for s, n, p in zip(seeds, positions, params)],
+                                dtype=torch.int64, device=x.device)
+        self._last = (list(params), list(seeds), positions, cols, keys)
+        return cols, keys
+
+
+def settings(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
+    """[B, 4] float32: each row's temperature (1 for greedy rows), top-k (the vocabulary when off), top-p (2 when
+    off) and min-p."""
+    return torch.tensor([[p.temperature if not p.is_greedy else 1.0, p.top_k if 0 < p.top_k < vocab else vocab,
+                          p.top_p if p.top_p < 1.0 else 2.0, p.min_p] for p in params],
+                        dtype=torch.float32, device=device)
 
 
 _M32 = 0xFFFFFFFF
