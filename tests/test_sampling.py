@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from engine.runtime.sampler import Sampler, exponential_noise, unit
+from engine.runtime.sampler import Sampler, _token_counts, exponential_noise, unit
 from engine.runtime.sampling_params import SamplingParams
 
 V = 1000
@@ -370,3 +370,27 @@ def test_noise_is_keyed_by_seed_position_and_token_and_stays_finite() -> None:
     assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05  # Exp(1): mean 1, variance 1
     # the same row alone or inside a batch
     assert torch.equal(exponential_noise(seeds[3:4], pos[3:4], v)[0], e[3])
+
+
+def test_carried_penalty_counts_equal_counts_rebuilt_each_step() -> None:
+    """One sampler driven step by step (the same requests, each fed its sampled token, so its penalty counts are
+    carried and updated in place) against a fresh sampler each step (counts rebuilt from the ids): the same
+    processed logits and the same tokens."""
+    torch.manual_seed(4)
+    vocab = 50
+    params = [SamplingParams(repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+              SamplingParams(temperature=0.0, frequency_penalty=0.7), SamplingParams(temperature=0.9),
+              SamplingParams(temperature=0.0, repetition_penalty=0.8)]
+    prompts = [[1, 2, 3, 3], [4], [5, 5, 6], [7, 8]]
+    outs: list[list[int]] = [[] for _ in params]
+    carried, seeds = Sampler(), [11, 12, 13, 14]
+    for step in range(12):
+        logits = torch.randn(len(params), vocab) * 2
+        tok = carried.sample(logits, params, outs, prompts, seeds)
+        assert tok.tolist() == Sampler().sample(logits, params, outs, prompts, seeds).tolist()
+        state = carried._state  # (its counts: carried from the second step on)
+        assert torch.equal(state["counts"], _token_counts(outs, vocab, logits.device)), step
+        assert torch.equal(state["seen"], _token_counts([a + b for a, b in zip(prompts, outs)], vocab, logits.device) > 0)
+        for o, t in zip(outs, tok.tolist()):
+            o.append(t)
+    assert len({t for o in outs for t in o}) > 4
