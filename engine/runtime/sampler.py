@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from engine.runtime.sampling_params import SamplingParams
 
@@ -100,7 +101,7 @@ class Sampler:
             return probs
         sp, order = probs.sort(dim=-1, descending=True, stable=True)
         ranks = torch.arange(v, device=logits.device)[None, :]
-        mass_before = torch.cumsum(sp, dim=-1) - sp  # probability mass strictly before each sorted position
+        mass_before = F.pad(torch.cumsum(sp, dim=-1)[:, :-1], (1, 0))  # the mass strictly before each position
         drop = (ranks >= cols[:, 1:2]) | (mass_before >= cols[:, 2:3]) | (sp < sp[:, :1] * cols[:, 3:4])
         drop[:, 0] = False  # (the most likely token always survives)
         return probs.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
