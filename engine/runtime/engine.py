@@ -28,11 +28,11 @@ class Engine:
         self.args = args
         model, self.tokenizer, pool, self._kv, self.context_len = build_components(args)
         self.cfg = model.cfg
-        self._runner = ModelRunner(model, pool, args, min(self.context_len, self._kv.size))
+        self.max_total_len = min(self.context_len, self._kv.size)
+        self._runner = ModelRunner(model, pool, args, self.max_total_len)
         self._scheduler = Scheduler(self._kv, args.max_running_requests, args.chunked_prefill_size)
         self._sampler = Sampler()
         self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
-        self.max_total_len = min(self.context_len, self._kv.size)
         self.limits = Limits(self.cfg.vocab_size, self.context_len, self._kv.size, args.max_new_tokens_cap,
                              self.tokenizer is not None)
         self._seeds = random.Random(args.random_seed)  # an unseeded request's seed
