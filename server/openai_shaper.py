@@ -5,6 +5,7 @@ submits; `respond` streams or collects."""
 from __future__ import annotations
 
 import time
+from functools import partial
 from typing import Any
 
 from fastapi import Request
@@ -39,6 +40,7 @@ def _sse(model: BaseModel, drop: Any = None) -> str:
 
 class _Shaper:
     route = ""
+    chunk_type: type[BaseModel]  # the stream's frame (its usage-only tail too)
 
     def __init__(self, sub: Submission, req: Any, tok: Tokenizer, prompts: list[list[int]], cache_report: bool) -> None:
         self.sub, self.req, self.tok, self.cache_report = sub, req, tok, cache_report
@@ -51,10 +53,14 @@ class _Shaper:
     def head_frames(self) -> tuple[str, ...]:
         return ()
 
+    def tail(self):
+        if self.req.include_usage:
+            yield _sse(self.chunk_type(**self.head, choices=[], usage=self.usage()), {"metadata"})
+
     async def respond(self, request: Request) -> Response:
         """Stream the frames, or collect every sequence (a client gone first: 499, logged only)."""
         if self.req.stream:
-            error = lambda status, msg: sse_error(self.route, status, msg)  # noqa: E731
+            error = partial(sse_error, self.route)
             return SSEResponse(sse_frames(self.sub, self.frame, error, self.head_frames(), self.tail), self.sub)
         try:
             joined = await self.sub.collect(request)
@@ -64,7 +70,7 @@ class _Shaper:
 
 
 class CompletionShaper(_Shaper):
-    route = "/v1/completions"
+    route, chunk_type = "/v1/completions", CompletionResponse
 
     def __init__(self, sub: Submission, req: CompletionRequest, tok: Tokenizer, prompts: list[list[int]],
                  given: list[Any], cache_report: bool) -> None:
@@ -95,10 +101,6 @@ class CompletionShaper(_Shaper):
             drop["choices"] = {0: {"prompt_logprobs"}}
         return _sse(CompletionResponse(**self.head, choices=[c], usage=usage), drop)
 
-    def tail(self):
-        if self.req.include_usage:
-            yield _sse(CompletionResponse(**self.head, choices=[], usage=self.usage()), {"metadata"})
-
     def response(self, joined: list) -> CompletionResponse:
         choices = [self.choice(i, (self.texts[i // self.n] if self.echo else "") + j.text, j.logprobs,
                                j.last.finish_reason, j) for i, j in enumerate(joined)]
@@ -107,7 +109,7 @@ class CompletionShaper(_Shaper):
 
 
 class ChatShaper(_Shaper):
-    route = "/v1/chat/completions"
+    route, chunk_type = "/v1/chat/completions", ChatCompletionChunk
     req: ChatCompletionRequest
 
     def chunk(self, choice: ChatStreamChoice) -> str:
@@ -131,10 +133,6 @@ class ChatShaper(_Shaper):
         if out.finished and not one:
             lines.append(self.chunk(ChatStreamChoice(index=i, delta={}, **ends)))
         return "".join(lines) or None
-
-    def tail(self):
-        if self.req.include_usage:
-            yield _sse(ChatCompletionChunk(**self.head, choices=[], usage=self.usage()))
 
     def response(self, joined: list) -> ChatCompletionResponse:
         choices = []
