@@ -149,36 +149,30 @@ class NativeShaper:
             meta["e2e_latency"] = round(time.monotonic() - self.started, 6)
         if self.opts[i].return_logprob:
             meta.update(self._logprobs(i, lp or Logprobs(), len(ids)))
-        body: dict[str, Any] = {"text": text} if self.tok is not None else {}
-        body["output_ids"] = list(ids)
-        body["meta_info"] = meta
-        return body
+        return ({"text": text} if self.tok is not None else {}) | {"output_ids": list(ids), "meta_info": meta}
 
     def _logprobs(self, i: int, lp: Logprobs, n_out: int) -> dict[str, Any]:
         res: dict[str, Any] = {"input_token_logprobs": self._entries(lp.input_token),
                                "output_token_logprobs": self._entries(lp.output_token),
                                "output_token_logprobs_length": n_out}
         if self.opts[i].top_logprobs_num > 0:
-            res["input_top_logprobs"] = [self._maybe(p) for p in lp.input_top]
-            res["output_top_logprobs"] = [self._maybe(p) for p in lp.output_top]
+            res["input_top_logprobs"] = [self._entries(p) for p in lp.input_top]
+            res["output_top_logprobs"] = [self._entries(p) for p in lp.output_top]
         if self.opts[i].token_ids_logprob:
-            res["input_token_ids_logprobs"] = [self._maybe(p) for p in lp.input_ids]
-            res["output_token_ids_logprobs"] = [self._maybe(p) for p in lp.output_ids]
+            res["input_token_ids_logprobs"] = [self._entries(p) for p in lp.input_ids]
+            res["output_token_ids_logprobs"] = [self._entries(p) for p in lp.output_ids]
         return res
 
-    def _maybe(self, entries: list | None) -> list | None:
-        return None if entries is None else self._entries(entries)
-
-    def _entries(self, entries: list) -> list[list[Any]]:
+    def _entries(self, entries: list | None) -> list[list[Any]] | None:
         # NOTE: JSON has no -inf; a logprob that underflowed is sent as null.
+        if entries is None:
+            return None
         return [[v if v is None or math.isfinite(v) else None, t, self._text(t)] for v, t in entries]
 
     def _text(self, token_id: int) -> str | None:
-        if not self.text_in_logprobs:
-            return None
-        if token_id not in self._texts:
+        if self.text_in_logprobs and token_id not in self._texts:
             self._texts[token_id] = self.tok.decode([token_id])  # type: ignore[union-attr]
-        return self._texts[token_id]
+        return self._texts.get(token_id)
 
 
 @router.put("/generate", operation_id="generate_put")
