@@ -7,6 +7,7 @@ import hmac
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -83,14 +84,10 @@ class BodyLimit:
             chunks.append(body)
             if not msg.get("more_body", False):
                 break
-        first: Message | None = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+        whole: Iterator[Message] = iter([{"type": "http.request", "body": b"".join(chunks), "more_body": False}])
 
         async def replay() -> Message:
-            nonlocal first
-            if first is not None:
-                msg, first = first, None
-                return msg
-            return await receive()
+            return next(whole, None) or await receive()
 
         await self.app(scope, replay, send)
 
