@@ -27,10 +27,7 @@ from server.errors import BadRequest
 
 logger = logging.getLogger(__name__)
 
-# Outputs of one request that may wait for a slow consumer; past this many, the newest is merged into
-# the last queued one (outputs are deltas: merging keeps everything), so a client that stops reading
-# costs bounded memory.
-MAX_BACKLOG = 64
+MAX_BACKLOG = 64  # outputs a Channel queues before it merges (a client that stops reading costs bounded memory)
 
 
 class EngineDeadError(RuntimeError):
@@ -49,7 +46,8 @@ def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 class Channel:
     """The outputs of one submission's sequences not yet read by its one reader, in arrival order, as
     (sequence index, output). Past `limit` queued items a new output is merged into the last queued
-    one of its sequence, so at most `limit` + (number of sequences) items are ever held."""
+    one of its sequence (outputs are deltas: merging keeps everything), so at most `limit` + (number of
+    sequences) items are ever held."""
 
     def __init__(self, limit: int = MAX_BACKLOG) -> None:
         self.limit = limit
