@@ -16,17 +16,14 @@ def _kind(v: Any) -> str:
     return next((name for t, name in names if isinstance(v, t)), type(v).__name__)
 
 
-def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+def _is(x: Any, kind: type) -> bool:
+    """isinstance, but a bool is not an int."""
+    return isinstance(x, kind) and (kind is bool or not isinstance(x, bool))
 
 
 def _scalar_or_list(name: str, v: Any, kind: type, what: str) -> Any:
-    """Accept a `kind` value (a bool is not an int) or a list of them; anything else -> ValueError naming the field."""
-
-    def ok(x: Any) -> bool:
-        return isinstance(x, kind) and (kind is bool or not isinstance(x, bool))
-
-    if v is None or ok(v) or (isinstance(v, list) and all(ok(x) for x in v)):
+    """Accept a `kind` value or a list of them; anything else -> ValueError naming the field."""
+    if v is None or _is(v, kind) or (isinstance(v, list) and all(_is(x, kind) for x in v)):
         return v
     raise ValueError(f"{name} must be {what} or a list of them, got {_kind(v)}")
 
@@ -48,8 +45,8 @@ def _ids_or_batch(name: str, v: Any) -> Any:
     """A list of token ids, or a list of such lists."""
     if v is None:
         return v
-    if isinstance(v, list) and (all(_is_int(x) for x in v) or
-                                all(isinstance(x, list) and all(_is_int(t) for t in x) for x in v)):
+    if isinstance(v, list) and (all(_is(x, int) for x in v) or
+                                all(isinstance(x, list) and all(_is(t, int) for t in x) for x in v)):
         return v
     raise ValueError(f"{name} must be a list of integer token ids or a list of such lists, got {_kind(v)}")
 
@@ -79,9 +76,7 @@ class GenerateReqInput(BaseModel):
                      mode="before")
     @classmethod
     def _scalars(cls, v: Any, info: Any) -> Any:
-        ok, what = _SCALAR_OR_LIST[info.field_name]
-        v = _scalar_or_list(info.field_name, v, ok, what)
-        return _valid_unicode(info.field_name, v) if info.field_name in ("text", "rid") else v
+        return _valid_unicode(info.field_name, _scalar_or_list(info.field_name, v, *_SCALAR_OR_LIST[info.field_name]))
 
     @field_validator("input_ids", "token_ids_logprob", mode="before")
     @classmethod
