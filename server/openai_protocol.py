@@ -70,13 +70,10 @@ class SamplingFields(BaseModel):
 
     def sampling_dict(self) -> dict[str, Any]:
         """SamplingParams keys but max_new_tokens (`SamplingParams.from_dict` treats None as "use the default")."""
-        return {"min_new_tokens": self.min_tokens, "n": self.n,
-                "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-                "frequency_penalty": self.frequency_penalty, "presence_penalty": self.presence_penalty,
-                "repetition_penalty": self.repetition_penalty, "stop": self.stop,
-                "stop_token_ids": self.stop_token_ids, "sampling_seed": self.seed, "logit_bias": self.logit_bias,
-                "ignore_eos": self.ignore_eos, "skip_special_tokens": self.skip_special_tokens,
-                "no_stop_trim": self.no_stop_trim}
+        same = ("n", "temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                "repetition_penalty", "stop", "stop_token_ids", "logit_bias", "ignore_eos", "skip_special_tokens",
+                "no_stop_trim")  # (the other two are named differently there)
+        return {"min_new_tokens": self.min_tokens, "sampling_seed": self.seed} | {k: getattr(self, k) for k in same}
 
     @property
     def include_usage(self) -> bool:
