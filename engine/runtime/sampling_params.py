@@ -20,8 +20,6 @@ _TYPED_FIELDS = {**dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_b
                                  (bool, "a boolean")),
                  **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), (str, "a string"))}
 _STR_LIST_FIELDS = frozenset({"stop", "stop_regex"})
-# Fields for which an explicit JSON null is a real value rather than "use the default".
-_NULL_IS_VALUE = frozenset({"max_new_tokens"})
 
 
 def _is_number(v: Any) -> bool:
@@ -36,16 +34,9 @@ def _as_int(name: str, v: Any) -> int:
     raise ValueError(f"{name} must be an integer, got {v!r}.")
 
 
-def _as_str_list(name: str, v: Any) -> list[str]:
-    if isinstance(v, str):
-        return [v]
-    if isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v):
-        return list(v)
-    raise ValueError(f"{name} must be a string or a list of strings, got {v!r}.")
-
-
 def _coerce(name: str, v: Any) -> Any:
-    """Type-check one non-null JSON value for field `name`; returns the value to store."""
+    """Type-check one non-null JSON value for field `name`; returns the value to store (`__post_init__`
+    makes a stop string a list)."""
     if name in _INT_FIELDS:
         return _as_int(name, v)
     if name in _FLOAT_FIELDS:
@@ -58,7 +49,9 @@ def _coerce(name: str, v: Any) -> Any:
             raise ValueError(f"{name} must be {what}, got {v!r}.")
         return v
     if name in _STR_LIST_FIELDS:
-        return _as_str_list(name, v)
+        if not (isinstance(v, str) or isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)):
+            raise ValueError(f"{name} must be a string or a list of strings, got {v!r}.")
+        return v
     if name == "stop_token_ids":
         if not isinstance(v, (list, tuple, set, frozenset)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {v!r}.")
@@ -132,9 +125,8 @@ class SamplingParams:
         for key in d:
             if key not in names:
                 raise ValueError(f"unknown sampling parameter {key!r}; valid parameters are: {', '.join(names)}")
-        kwargs = {k: _coerce(k, v) for k, v in d.items() if v is not None}
-        kwargs.update({k: None for k in _NULL_IS_VALUE if k in d and d[k] is None})
-        return cls(**kwargs)
+        return cls(**{k: None if v is None else _coerce(k, v) for k, v in d.items()
+                      if v is not None or k == "max_new_tokens"})
 
     def verify(self, vocab_size: int) -> None:
         """Raise `ValueError` with SGLang's message if a value is out of range."""
