@@ -175,7 +175,6 @@ class JoinedOutput:
 
 
 # ---- validation: run on a whole batch before any of it is queued ------------------------------------------
-CONSTRAINED = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 @dataclass(frozen=True)
@@ -216,7 +215,7 @@ def validate(req: NewRequest, lim: Limits) -> None:
 def _sampling(req: NewRequest, lim: Limits) -> None:
     p = req.params
     p.verify(lim.vocab_size)
-    for key in CONSTRAINED:
+    for key in ("regex", "json_schema", "ebnf", "structural_tag"):
         if getattr(p, key) is not None:
             raise ValueError(f"Constrained decoding ({key}) is not supported by this server.")
     if p.stop_regex:

@@ -90,12 +90,11 @@ class Sampler:
         return st["counts"], st["seen"], st["penalties"]
 
     def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                       cols: torch.Tensor | None = None) -> torch.Tensor:
+                       cols: torch.Tensor) -> torch.Tensor:
         """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0,
         not renormalized; every row is treated as sampling (callers handle greedy rows). The same operations for
         any mix of rows: each row's settings are a row of `cols` (`settings`)."""
         v = logits.shape[1]
-        cols = settings(params, v, logits.device) if cols is None else cols
         probs = torch.softmax(logits / cols[:, :1], dim=-1)
         if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             return probs

@@ -65,7 +65,7 @@ class Tokenizer:
         eos_ids = {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or ())
         if self.eos_token_id is not None:
             eos_ids.add(self.eos_token_id)
-        if self.eos_token_id is None and eos_ids:
+        elif eos_ids:
             self.eos_token_id = min(eos_ids)
         self.eos_token_ids: set[int] = eos_ids
 
