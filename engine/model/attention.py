@@ -25,8 +25,7 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
         return _decode(layer_id, q, iq, batch, pool, cfg)
     outs = [_segment(layer_id, q[s.start:s.end], None if iq is None else iq[s.start:s.end], s, pool, cfg)
             for s in batch.segments]
-    o = torch.cat([a for a, _ in outs])
-    return o, (torch.cat([u for _, u in outs]) if outs[0][1] is not None else None)
+    return torch.cat([a for a, _ in outs]), (torch.cat([u for _, u in outs]) if outs[0][1] is not None else None)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------

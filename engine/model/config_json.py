@@ -58,10 +58,8 @@ def _rope(d: dict[str, Any], shape: str, head_dim: int) -> tuple[float, int]:
         if factor is not None and int(head_dim * float(factor)) != rotary:
             logger.warning("config.json has rotary_dim=%s and partial_rotary_factor=%s (head_dim %s): "
                            "they disagree; using rotary_dim=%s", rotary, factor, head_dim, rotary)
-    elif factor is not None:
-        rotary = int(head_dim * float(factor))
     else:
-        rotary = head_dim
+        rotary = int(head_dim * float(1.0 if factor is None else factor))
     return theta, rotary
 
 

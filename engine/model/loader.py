@@ -33,9 +33,7 @@ def _normalize(key: str) -> str | None:
     for prefix in ("language_model.", "model.language_model."):
         if key.startswith(prefix):
             key = ("model." if prefix == "model.language_model." else "") + key[len(prefix):]
-    if key.startswith("model.") and key[len("model."):].startswith(SKIPPED_PREFIXES):
-        return None
-    return None if key.startswith(SKIPPED_PREFIXES) else key
+    return None if key.removeprefix("model.").startswith(SKIPPED_PREFIXES) else key
 
 
 def _index_files(model_dir: Path) -> dict[str, tuple[Path, str]]:

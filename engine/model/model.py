@@ -22,7 +22,8 @@ class Attention(nn.Module):
         self.kind = cfg.layer_kinds[layer_id]
         d, di = cfg.head_dim, cfg.index_head_dim
         sparse, value = self.kind != "dense", self.kind == "sparse_index_kv"
-        # Rows of the fused projection: q, k, [index q, index k], v, [index v] (see weight_names.py).
+        # Rows of the fused projection: q, k, [index q, index k], v, [index v]: the parts that are normed and
+        # rotated come first and are contiguous (weight_names.py builds it from a checkpoint's tensors).
         self.splits = ([cfg.num_heads * d, cfg.num_kv_heads * d] + ([cfg.index_num_heads * di, di] if sparse else [])
                        + [cfg.num_kv_heads * d] + ([di] if value else []))
         o_in = cfg.num_heads * d + (cfg.index_num_heads * di if value else 0)

@@ -53,9 +53,7 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
         p, ours = f"model.layers.{i}", f"layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[f"{ours}.{norm}.weight"] = [_single(f"{p}.{norm}.weight", (h,))]
-        a = f"{p}.self_attn"
-        # NOTE: our fused projection's rows are q, k, [index q, index k], v, [index v]: the parts that
-        # are normed and rotated come first and are contiguous (see engine/model.py).
+        a = f"{p}.self_attn"  # (the fused projection's row order: see model.py)
         qk = ((f"{a}.q_proj.weight", (cfg.num_heads * d, h)), (f"{a}.k_proj.weight", (cfg.num_kv_heads * d, h)))
         v = ((f"{a}.v_proj.weight", (cfg.num_kv_heads * d, h)),)
         o_main = ((f"{a}.o_proj.weight", (h, cfg.num_heads * d)),)
@@ -65,12 +63,11 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
             out[f"{ours}.self_attn.qkv_proj"] = [Recipe(qk + v, _rows)]
             out[f"{ours}.self_attn.o_proj"] = [Recipe(o_main, _one)]
         else:
-            iq_shape, ik_shape = (cfg.index_num_heads * di, h), (di, h)
+            iq, ik = (cfg.index_num_heads * di, h), (di, h)
             value = ((f"{a}.index_v_proj.weight", (di, h)),) if kind == "sparse_index_kv" else ()
-            out[f"{ours}.self_attn.qkv_proj"] = [
-                Recipe(qk + ((f"{a}.index_q_proj.weight", iq_shape), (f"{a}.index_k_proj.weight", ik_shape)) + v + value, _rows),
-                Recipe(qk + ((f"{a}.indexer.q_proj.weight", iq_shape), (f"{a}.indexer.k_proj.weight", ik_shape)) + v + value, _rows),
-            ]
+            out[f"{ours}.self_attn.qkv_proj"] = [  # (index_* or indexer.* names)
+                Recipe(qk + ((f"{a}.{x}q_proj.weight", iq), (f"{a}.{x}k_proj.weight", ik)) + v + value, _rows)
+                for x in ("index_", "indexer.")]
             o_index = ((f"{a}.index_o_proj.weight", (h, cfg.index_num_heads * di)),) if kind == "sparse_index_kv" else ()
             out[f"{ours}.self_attn.o_proj"] = [Recipe(o_main + o_index, _cols)]
             for n in ("q", "k"):
