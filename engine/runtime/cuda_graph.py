@@ -1,11 +1,8 @@
 """Decode steps as CUDA graphs the engine captures itself (no compiler): one graph per (batch bucket, key bucket)
 over the eager step (`decode_step`), all reading one set of static input buffers and sharing one memory pool.
-
-A step's shapes depend only on its bucket: rows are padded up to the batch bucket (padding rows write and read
-the pool's padding slot 0), and the key table up to the key bucket (padding keys are masked: a key past a row's
-position is never attended). Every graph is captured at warm-up, before serving, so nothing is recorded while
-serving; a step past the largest buckets runs eager. NOTE: capture costs an eager step a graph: seconds for all
-buckets, against ~50 s a graph to compile with inductor (H200, configs/tiny).
+A step's shapes depend only on its buckets (rows and key table padded up to them: see `DecodeBatch`). Every
+graph is captured at warm-up, so nothing is recorded while serving. NOTE: capture costs an eager step a graph:
+seconds for all buckets, against ~50 s a graph to compile with inductor (H200, configs/tiny).
 """
 
 from __future__ import annotations

@@ -6,9 +6,7 @@ and with the batch size dynamic for every other bucket (the key length is dynami
 to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
 eager step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up. A batch
 is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
-largest bucket runs eager. On a first start (neither CPU graph saved yet) the batch-1 graph compiles in a child
-process (`beside`: the model's shape with placeholder weights and an empty pool of the same shape, all a graph's
-file depends on) while this process compiles the dynamic graph, then loads the child's.
+largest bucket runs eager. A first start compiles the batch-1 graph in a child process (`warm_up`, `beside`).
 """
 
 from __future__ import annotations
@@ -107,13 +105,11 @@ class DecodeGraphs:
         return sum(g.guard_misses for g in {self._one, self._many}) if cpu else 0
 
     def warm_up(self, compile_beside: Callable[[tuple[int, ...]], multiprocessing.Process] | None = None) -> None:
-        """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket.
-
-        On CPU, given `compile_beside` (a child process that compiles the buckets it is given and saves their
-        graph, e.g. `beside`): when neither graph is saved yet, the batch-1 graph compiles in the
-        child while this process compiles the dynamic one, and is then loaded here. NOTE: each compile is one
-        core's Python: side by side on 2 cores, a cold start's two take ~95 s instead of 71 + 80 s.
-        """
+        """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket. On CPU, given
+        `compile_beside` (a child process that compiles the buckets it is given and saves their graph, e.g.
+        `beside`): when neither graph is saved yet, the batch-1 graph compiles in the child while this process
+        compiles the dynamic one, and is then loaded here. NOTE: each compile is one core's Python: side by side
+        on 2 cores, a cold start's two take ~95 s instead of 71 + 80 s."""
         self._warm_up(compile_beside)
         self._compiles_at_warm_up = _compiles()
 
@@ -146,7 +142,8 @@ class DecodeGraphs:
                         time.perf_counter() - t, how)
 
     def beside(self, buckets: tuple[int, ...]) -> multiprocessing.Process:
-        """A child process that compiles and saves the graphs of `buckets` for this model's and pool's shapes."""
+        """A child process that compiles and saves the graphs of `buckets` for this model's and pool's shapes
+        (placeholder weights and an empty pool: all a graph's file depends on)."""
         p, pool = next(self.model.parameters()), self.pool
         shape = (pool.size, pool.dtype, pool.layer_kinds, pool.head_num, pool.head_dim, pool.index_head_dim)
         child = multiprocessing.get_context("spawn").Process(

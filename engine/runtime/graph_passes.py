@@ -5,9 +5,8 @@ The ops: one row's `paged_attention` and `paged_block_attention` as gathers and 
 dispatch cost ~180 us a call; a batch-1 step makes 11), and its `moe_experts` as dot products over its k experts'
 gathered rows (`gathered_experts`), which inductor reads in place.
 
-Every one-row weight product (matrix-vector: the projections, MLPs and
-the LM head of a batch-1 step) written as a multiply-and-sum, which inductor generates itself and runs on every
-thread. NOTE: MKL's sgemv ran them on one
+Every one-row weight product (matrix-vector: the projections, MLPs and the LM head of a batch-1 step) written as
+a multiply-and-sum, which inductor generates itself and runs on every thread. NOTE: MKL's sgemv ran them on one
 thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms on an AVX2 machine, 2 threads,
 interleaved. Inductor's own decompose_mm_pass does this too, but also rewrites batch-1 bmm, whose sums over the
 key length then guard it.

@@ -3,20 +3,18 @@ model again (CPU).
 
 `torch.compile(...).aot_compile` traces a step function of (model, pool, batch) once and returns a function
 that can be saved: the model's parameters and the pool's buffers stay arguments (nothing of them is in the
-file), so one file serves every engine with the same model shape, KV pool shape, dtype and threads. The file
-lands beside inductor's cache (`<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`), named by a hash of what the graph
-depends on: the torch version, the CPU, the thread count, the model's config, the pool's buffer shapes, the
-kind of graph and the source of every module the trace reads. NOTE: dynamo's trace (fake tensors, symbolic
-shapes) was most of a warm start: 12-25 s for the two graphs, against ~1.5 s to load each file.
+file), so one file serves every engine of the same shapes. It lands beside inductor's cache
+(`<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`), named by a hash of all it depends on (`graph_key`). NOTE: dynamo's
+trace (fake tensors, symbolic shapes) was most of a warm start: 12-25 s for the two graphs, against ~1.5 s to
+load each file.
 
 The guards dynamo built (tensor shapes and dtypes, grad mode, the config's values) decide whether a batch may
-run the graph; their verdict is kept per batch signature (`_signature`), and a batch that fails them runs
-eager, with a warning, and is counted (`guard_misses`). The model and the pool never change under a graph (the
-file's name hashes their shapes), so only the batch's shapes, strides and dtypes and the grad mode can change
-the verdict: the signature holds exactly those. NOTE: checked on every call, the guards walk ~1,300 entries,
-the model's ~130 tensors among them: 4 us while they sit in cache, 120-130 us after a decode step has run
-(configs/tiny, batch 1). Kept, against checked on every call, A/B in one engine: a step at batch 1 1.79 vs
-1.90 ms, at 32 rows 12.5 vs 13.0 ms, at 64 rows no difference.
+run the graph; a batch that fails them runs eager, with a warning, and is counted (`guard_misses`). The model
+and the pool never change under a graph (the file's name hashes their shapes), so the verdict is kept per batch
+signature (`_signature`). NOTE: checked on every call, the guards walk ~1,300 entries, the model's ~130 tensors
+among them: 4 us while they sit in cache, 120-130 us after a decode step has run (configs/tiny, batch 1). Kept,
+against checked on every call, A/B in one engine: a step at batch 1 1.79 vs 1.90 ms, at 32 rows 12.5 vs
+13.0 ms, at 64 rows no difference.
 """
 
 from __future__ import annotations
