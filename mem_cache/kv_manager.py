@@ -4,13 +4,15 @@ live request. The scheduler asks (`can_admit`, `can_allocate`) then acts (`admit
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from mem_cache.allocator import TokenSlotAllocator
 from mem_cache.errors import PoolExhaustedError
+from mem_cache.hicache import HiCache
 from mem_cache.radix_cache import RadixCache, TreeNode
 
 
@@ -116,15 +118,23 @@ class ReqKV:
     node: TreeNode
     cached: int
     num_computed: int
+    found: Counter[str] = field(default_factory=Counter)  # its prefix's tokens by the tier they came from, or missed
 
 
 class KVCacheManager:
+    """With a `hicache` (the host and disk tiers), what the device tree evicts is saved below it, and a prefix found
+    there is loaded back into new device slots at admission."""
+
     def __init__(self, size: int, max_requests: int, context_len: int, device: str | torch.device = "cpu",
-                 disable_radix_cache: bool = False) -> None:
+                 disable_radix_cache: bool = False, hicache: HiCache | None = None) -> None:
+        if hicache is not None and disable_radix_cache:
+            raise ValueError("the hierarchical cache keeps the prefix cache's evictions: it needs the radix cache on")
         self.allocator = TokenSlotAllocator(size, device)
         self.req_to_token = ReqToTokenPool(max_requests, context_len, device)
-        self.radix = RadixCache(self.allocator, disable=disable_radix_cache)
+        self.hicache = hicache
+        self.radix = RadixCache(self.allocator, disable_radix_cache, hicache.save if hicache else None)
         self._live: set[ReqKV] = set()
+        self.hit_tokens = Counter(device=0, host=0, disk=0, miss=0)  # prefix tokens found per tier, by released requests
 
     # ---- questions ------------------------------------------------------------------------------------
     @property
@@ -174,11 +184,32 @@ class KVCacheManager:
         row = self.req_to_token.alloc(1)[0]
         slots, node = self.radix.match_prefix(prefix_ids)
         self.radix.inc_lock_ref(node)
+        found = Counter(device=slots.numel())
+        if self.hicache is not None:
+            slots, node = self._load_back(list(prefix_ids), slots, node, found)
+        found["miss"] = len(prefix_ids) - slots.numel()
         if slots.numel():
             self.req_to_token.write([(row, 0, slots.numel())], slots)
-        kv = ReqKV(row, node, int(slots.numel()), int(slots.numel()))
+        kv = ReqKV(row, node, int(slots.numel()), int(slots.numel()), found)
         self._live.add(kv)
         return kv
+
+    def _load_back(self, tokens: list[int], slots: torch.Tensor, node: TreeNode, found: Counter[str]
+                   ) -> tuple[torch.Tensor, TreeNode]:
+        """Extend a device match (`node` locked) from the host and disk: copied into new device slots, put in the
+        device tree, the longer match returned locked. Left as it is when the device has no room for it."""
+        host, host_node, from_disk = self.hicache.match(tokens)
+        have, n = slots.numel(), host.numel() - slots.numel()
+        if n > 0 and self.can_allocate(n):
+            self.radix.evict(n - self.allocator.available_size())
+            new = self.allocator.alloc(n)
+            self.hicache.load(host[have:], new)
+            self.radix.cache_finished_req(tokens[:have + n], torch.cat([slots, new]), node)
+            slots, node = self.radix.match_prefix(tokens)
+            self.radix.inc_lock_ref(node)
+            found.update(host=n - min(from_disk, n), disk=min(from_disk, n))
+        self.hicache.unlock(host_node)
+        return slots, node
 
     def allocate(self, parts: Sequence[tuple[ReqKV, int]]) -> torch.Tensor:
         """Give each request its next `n` slots (evicting if needed), written to its row after the ones it
@@ -199,6 +230,10 @@ class KVCacheManager:
         """A finished, aborted or retracted request gives its KV back: the tokens it computed
         (`token_ids`, one per slot) go to the prefix cache, its duplicates and its row are freed."""
         self._live.remove(kv)
+        if kv.num_computed > kv.cached:  # (not one admitted and given back before it ran)
+            self.hit_tokens.update(kv.found)
+        if self.hicache is not None and self.hicache.write_through:
+            self.hicache.save(list(token_ids), self.slots(kv))
         self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node)  # (the tree clones the slots it keeps)
         self.req_to_token.free(kv.row)
 
@@ -207,13 +242,15 @@ class KVCacheManager:
         if self._live:
             return False
         self.radix.flush()
+        if self.hicache is not None:
+            self.hicache.flush()
         return True
 
     # ---- invariants ------------------------------------------------------------------------------------
     def check_integrity(self) -> bool:
         """free + owned by requests + held by the tree == size, no slot owned twice, one row per request."""
         assert self.allocator.check_integrity() and self.req_to_token.check_integrity()
-        assert self.radix.check_integrity()
+        assert self.radix.check_integrity() and (self.hicache is None or self.hicache.check_integrity())
         own = [self.slots(kv)[kv.cached:].to(torch.int64) for kv in self._live]
         both = torch.cat([*own, self.radix.all_slots()])
         assert both.unique().numel() == both.numel(), "KVCacheManager: a slot is owned twice"

@@ -134,13 +134,17 @@ class SparsePoolInfoMixin:
     def layers_info(self) -> list[dict[str, Any]]:
         return [self.layer_info(i) for i in range(self.num_layers)]
 
-    def buffer_info(self, layer_id: int, buffer: str) -> dict[str, Any]:
-        """Metadata of one real buffer; `MissingBufferError` (says why, what to use) if the layer lacks it."""
+    def buffer(self, layer_id: int, buffer: str) -> torch.Tensor:
+        """The tensor of one buffer of one layer, `[size + 1, heads, dim]`; `MissingBufferError` if it lacks it."""
         loc = self.buffer_location(layer_id, buffer)
         if loc is None:
             raise self._missing_buffer_error(layer_id, buffer)
         get = loc.pool.get_key_buffer if buffer in ("key", "index_key") else loc.pool.get_value_buffer
-        t = get(loc.local_layer_id)
+        return get(loc.local_layer_id)
+
+    def buffer_info(self, layer_id: int, buffer: str) -> dict[str, Any]:
+        """Metadata of one real buffer; `MissingBufferError` (says why, what to use) if the layer lacks it."""
+        loc, t = self.buffer_location(layer_id, buffer), self.buffer(layer_id, buffer)
         return {
             "layer_id": layer_id,
             "buffer": buffer,
@@ -199,7 +203,7 @@ class SparsePoolInfoMixin:
                     f"layer {layer_id} {buffer}: local id {r.local_layer_id} maps back to "
                     f"{r.pool.global_layer_ids[r.local_layer_id]}")
                 if buffer in ("value", "index_value"):
-                    assert isinstance(r.pool, MHATokenToKVPool), f"layer {layer_id} {buffer}: pool has no V"
+                    assert r.pool.has_value_buffer, f"layer {layer_id} {buffer}: pool has no V"
         return True
 
     def _check_sub_pool(self, pool: MHATokenToKVPool, head_num: int, head_dim: int, layer_ids: list[int]) -> None:
@@ -212,11 +216,11 @@ class SparsePoolInfoMixin:
         shape = (self.size + 1, head_num, head_dim)
         tensors = list(pool.k_buffer)
         assert len(pool.k_buffer) == len(layer_ids), f"{tag}: {len(pool.k_buffer)} K buffers, {len(layer_ids)} layers"
-        if isinstance(pool, MHATokenToKOnlyPool):
-            assert not pool.has_value_buffer and not hasattr(pool, "v_buffer"), f"{tag}: a K-only pool holds V"
-        else:
+        if pool.has_value_buffer:
             assert len(pool.v_buffer) == len(layer_ids), f"{tag}: {len(pool.v_buffer)} V buffers"
             tensors += pool.v_buffer
+        else:
+            assert not hasattr(pool, "v_buffer"), f"{tag}: a K-only pool holds V"
         for t in tensors:
             assert tuple(t.shape) == shape, f"{tag}: buffer shape {tuple(t.shape)} != {shape}"
             assert t.dtype == self.dtype, f"{tag}: buffer dtype {t.dtype} != {self.dtype}"

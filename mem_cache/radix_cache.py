@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
@@ -45,11 +45,12 @@ class RadixCache:
     the caller locks the returned node while it uses them (`inc_lock_ref`) and hands the request's KV over with
     `cache_finished_req`, which also frees the request's slots for tokens the tree already holds. LRU time is a
     logical clock (one tick per match or insert), so eviction order is deterministic. `disable=True` makes a cache
-    that holds nothing."""
+    that holds nothing. `on_evict(token_ids, slots)` sees each evicted leaf's whole prefix (the root's tokens on)
+    before its slots are freed: a lower tier keeps a copy there."""
 
-    def __init__(self, allocator: TokenSlotAllocator, disable: bool = False) -> None:
-        self.allocator = allocator
-        self.disable = disable
+    def __init__(self, allocator: TokenSlotAllocator, disable: bool = False,
+                 on_evict: Callable[[list[int], torch.Tensor], None] | None = None) -> None:
+        self.allocator, self.disable, self.on_evict = allocator, disable, on_evict
         self._clock = self._next_id = 0
         self._evictable = self._protected = 0
         self.root = self._node([], self._empty(), None)
@@ -130,6 +131,9 @@ class RadixCache:
         freed, count = [], 0
         while count < num_tokens and heap:
             node = heapq.heappop(heap)[2]
+            if self.on_evict is not None:
+                path = self._path(node)[::-1]
+                self.on_evict([t for n in path for t in n.key], self._cat([n.value for n in path]))
             parent = node.parent
             del parent.children[node.key[0]]
             node.parent = None  # NOTE: a detached node is recognized by parent None

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from engine.runtime.request import RequestOutput
 
@@ -93,6 +93,30 @@ class Metrics:
             g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name", "pool"])
             for p in pool.sub_pools():
                 g.add_metric([self.model_name, p.name], float(fn(p)))
+            yield g
+        yield from self._tiers(st.hit_tokens, st.host_tier)
+
+    def _tiers(self, hits: dict[str, int], host: dict | None) -> Any:
+        """Prefix tokens found per cache tier and missed; with a host tier, its occupancy and the bytes moved."""
+        model = [self.model_name]
+        c = CounterMetricFamily("sglang:cache_hit_tokens", "Prefix tokens found in a cache tier.", labels=["model_name", "tier"])
+        for tier in ("device", "host", "disk"):
+            c.add_metric([*model, tier], hits.get(tier, 0))
+        yield c
+        c = CounterMetricFamily("sglang:cache_miss_tokens", "Prefix tokens found in no tier.", labels=["model_name"])
+        c.add_metric(model, hits.get("miss", 0))
+        yield c
+        if host is None:
+            return
+        c = CounterMetricFamily("sglang:hicache_moved_bytes", "KV bytes copied between cache tiers.",
+                                labels=["model_name", "direction"])
+        for way in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
+            c.add_metric([*model, way], host["moved_bytes"].get(way, 0))
+        yield c
+        for name, key, doc in (("hicache_host_used_tokens", "used_tokens", "Host KV tier slots in use."),
+                               ("hicache_host_total_tokens", "size_tokens", "Host KV tier size in tokens.")):
+            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
+            g.add_metric(model, host[key])
             yield g
 
     # ---- feeding (event loop) ---------------------------------------------------------------------

@@ -188,6 +188,7 @@ async def pools(request: Request) -> dict[str, Any]:
         "bytes_per_token": pool.bytes_per_token(),
         "total_bytes": pool.total_bytes(),
         "sub_pools": pool.sub_pools_info(),
+        "host_tier": st.host_tier,
     }
 
 

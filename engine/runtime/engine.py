@@ -219,7 +219,8 @@ class Engine:
         s, kv = self._scheduler, self._kv
         return EngineStats(len(s.running), len(s.waiting), kv.size, kv.used_slots(), kv.free_slots(),
                            kv.evictable_slots(), kv.cached_slots(), self.pool.total_bytes(),
-                           self._runner.captured_batch_sizes())
+                           self._runner.captured_batch_sizes(), dict(kv.hit_tokens),
+                           kv.hicache.info() if kv.hicache else None)
 
     def decode_graphs(self) -> dict:
         """The captured decode graphs, and how many steps replayed them or missed them (for /server_info)."""

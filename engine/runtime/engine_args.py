@@ -27,6 +27,12 @@ class EngineArgs:
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests, capped)
     cuda_graph_bs: list[int] | None = None  # the batch-size buckets (None: derived from cuda_graph_max_bs)
     num_threads: int = 0  # CPU threads (torch's); 0: torch's default less the cores others keep busy at start
+    enable_hierarchical_cache: bool = False  # keep what the device's prefix cache evicts in host memory (and disk)
+    hicache_ratio: float = 2.0  # host tier size in tokens, as a multiple of the device pool's
+    hicache_size: float = 0.0  # host tier size in GB (1e9 bytes); overrides hicache_ratio when set
+    hicache_write_policy: str = "write_through"  # write_through: copy on insert; write_back: copy on eviction
+    hicache_storage_backend: str | None = None  # "file": a disk tier below the host one, in hicache_storage_dir
+    hicache_storage_dir: str = "/tmp/hicache"
 
     def __post_init__(self) -> None:
         for name, least in (("max_running_requests", 1), ("chunked_prefill_size", 1), ("max_total_tokens", 2),
@@ -37,6 +43,15 @@ class EngineArgs:
             raise ValueError(f"page_size must be 1 (paged KV slots are not supported by the scheduler yet), got {self.page_size}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        for name, value, allowed in (("hicache_write_policy", self.hicache_write_policy, ("write_through", "write_back")),
+                                     ("hicache_storage_backend", self.hicache_storage_backend, (None, "file"))):
+            if value not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        if self.hicache_ratio <= 0 or self.hicache_size < 0:
+            raise ValueError(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} and "
+                             f"{self.hicache_size}")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("enable_hierarchical_cache keeps the prefix cache's evictions: drop disable_radix_cache")
         for bs in self.cuda_graph_bs or ():
             if bs < 1:
                 raise ValueError(f"cuda_graph_bs entries must be at least 1, got {bs}")

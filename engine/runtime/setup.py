@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import time
@@ -15,7 +16,8 @@ from engine.model.loader import load_model
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.tokenizer import Tokenizer
-from mem_cache import KVCacheManager, MiniMaxSparseKVPool
+from mem_cache import HiCache, KVCacheManager, MiniMaxSparseKVPool
+from mem_cache.hicache import bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +92,30 @@ def kv_pool_tokens(args: EngineArgs, model: MiniMaxM3Model, dtype: torch.dtype, 
                                                c.index_head_dim, dtype)
 
 
+def model_fingerprint(model: MiniMaxM3Model, model_path: str, dtype: torch.dtype) -> str:
+    """The disk tier's model identity: config.json, the dtype, and every weight's name, shape, first and last values."""
+    h = hashlib.sha256(Path(model_path, "config.json").read_bytes() + str(dtype).encode())
+    for name, t in model.state_dict().items():
+        flat = t.detach().reshape(-1)
+        h.update(f"{name}{tuple(t.shape)}".encode() + torch.cat([flat[:8], flat[-8:]]).float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def build_hicache(args: EngineArgs, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> HiCache | None:
+    """The host tier (--hicache-size GB, else --hicache-ratio x the device pool) and the disk one, if asked."""
+    if not args.enable_hierarchical_cache:
+        return None
+    per_token = bytes_per_token(pool)
+    size = int(args.hicache_size * 1e9) // per_token - 1 if args.hicache_size else int(pool.size * args.hicache_ratio)
+    if size < 1:
+        raise ValueError(f"a host tier of {args.hicache_size} GB holds no token: one costs {per_token} bytes")
+    disk = args.hicache_storage_dir if args.hicache_storage_backend == "file" else None
+    fingerprint = model_fingerprint(model, args.model_path, pool.dtype) if disk else ""
+    logger.info("host KV tier: %d tokens (%.1f MiB, %s)%s", size, size * per_token / 2**20, args.hicache_write_policy,
+                f", disk pages in {disk}" if disk else "")
+    return HiCache(pool, size, args.hicache_write_policy, disk, fingerprint)
+
+
 def build_components(args: EngineArgs
                      ) -> tuple[MiniMaxM3Model, Tokenizer | None, MiniMaxSparseKVPool, KVCacheManager, int]:
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
@@ -112,7 +138,8 @@ def build_components(args: EngineArgs
     size = kv_pool_tokens(args, model, dtype, device)
     pool = MiniMaxSparseKVPool(size, dtype, list(cfg.layer_kinds), cfg.num_kv_heads, cfg.head_dim,
                                cfg.index_head_dim, device)
-    kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache)
+    kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache,
+                        build_hicache(args, model, pool))
     logger.info("model %s on %s/%s: %d layers %s, KV pool %d tokens (%.1f MiB)", args.model_path, device,
                 str(dtype).removeprefix("torch."), cfg.num_layers, cfg.layer_kinds, size, pool.total_bytes() / 2**20)
     return model, tokenizer, pool, kv, context_len

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -16,6 +16,8 @@ class EngineStats:
     cached_tokens: int  # prefix-cache slots
     kv_cache_bytes: int
     captured_batch_sizes: tuple[int, ...]  # decode graph buckets ready to replay
+    hit_tokens: dict[str, int] = field(default_factory=dict)  # prefix tokens found per tier (device/host/disk), "miss"
+    host_tier: dict | None = None  # HiCache.info(); None when the hierarchical cache is off
 
     @property
     def token_usage(self) -> float:

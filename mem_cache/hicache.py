@@ -1,0 +1,223 @@
+"""The hierarchical KV cache's lower tiers (SGLang's HiCache): a host-memory radix tree under the device one, and
+an optional disk tier of fixed-size pages under the host. Written against the pool's capability API alone: the host
+buffers are laid out from `layers_with`, one per (layer, buffer) the pool has, and every copy moves exactly those,
+so a layer kind this file has never seen needs nothing new here."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from mem_cache.allocator import TokenSlotAllocator
+from mem_cache.pool_info import BUFFER_NAMES
+from mem_cache.radix_cache import RadixCache, TreeNode
+
+logger = logging.getLogger(__name__)
+WRITE_POLICIES = ("write_through", "write_back")
+PAGE = 64  # tokens per disk page
+
+
+def pool_buffers(pool: Any) -> list[tuple[int, str, torch.Tensor]]:
+    """Every buffer the pool has, as (global layer id, buffer name, tensor): what a lower tier copies."""
+    return [(layer, name, pool.buffer(layer, name)) for name in BUFFER_NAMES for layer in pool.layers_with(name)]
+
+
+def bytes_per_token(pool: Any) -> int:
+    """Bytes one token costs in a lower tier: every buffer of every layer (the host tier's sizing)."""
+    return sum(t[0].numel() * t.element_size() for _, _, t in pool_buffers(pool))
+
+
+class HostKVPool:
+    """A host twin `[size + 1, ...]` of every device buffer (pinned beside a GPU; row 0 unused): one host slot holds
+    one token in all of them."""
+
+    def __init__(self, pool: Any, size: int) -> None:
+        self.buffers = pool_buffers(pool)
+        pin = pool.device.type == "cuda"
+        self.host = [torch.zeros((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
+        self.allocator = TokenSlotAllocator(size)
+        self.bytes_per_token = sum(h[0].nbytes for h in self.host)
+        layer_bytes = Counter()
+        for (layer, *_), h in zip(self.buffers, self.host):
+            layer_bytes[layer] += h[0].nbytes
+        self.bytes_per_token_by_kind: dict[str, int] = {}
+        for layer in sorted(layer_bytes):
+            self.bytes_per_token_by_kind.setdefault(pool.layer_kind(layer), layer_bytes[layer])
+
+    def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
+        for (*_, d), h in zip(self.buffers, self.host):
+            h[host_slots] = d[device_slots.to(d.device)].cpu()
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        for (*_, d), h in zip(self.buffers, self.host):
+            d[device_slots.to(d.device)] = h[host_slots].to(d.device, non_blocking=True)
+
+
+class DiskStore:
+    """One file per page of PAGE tokens, named by a hash chained over the model's fingerprint and every token up to
+    the page's end: a restarted server finds its pages, another model never does. A file holds a magic, its own name,
+    a CRC-32 and the page's bytes; one that fails any check is logged and read as a miss (the tokens recomputed)."""
+
+    MAGIC = b"MMKV1"
+
+    def __init__(self, directory: str, fingerprint: str, host: HostKVPool) -> None:
+        self.dir, self.host, self.writable = Path(directory), host, True
+        self.seed = hashlib.sha256(fingerprint.encode()).digest()
+        self.page_bytes = PAGE * host.bytes_per_token
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._stop_writing(e)
+
+    def _stop_writing(self, e: OSError) -> None:
+        logger.warning("hicache: cannot write disk pages in %s (%s); the disk tier stops writing", self.dir, e)
+        self.writable = False
+
+    def keys(self, tokens: list[int]) -> list[bytes]:
+        """The name of each whole page of `tokens`."""
+        key, out = self.seed, []
+        for p in range(len(tokens) // PAGE):
+            key = hashlib.sha256(key + torch.tensor(tokens[p * PAGE:(p + 1) * PAGE]).numpy().tobytes()).digest()
+            out.append(key)
+        return out
+
+    def write(self, tokens: list[int], host_slots: torch.Tensor) -> int:
+        """Write the whole pages of `tokens` (their KV in `host_slots`) not written yet; the bytes written."""
+        done = 0
+        for p, key in enumerate(self.keys(tokens) if self.writable else []):
+            path = self.dir / key.hex()
+            if path.exists():
+                continue
+            rows = host_slots[p * PAGE:(p + 1) * PAGE]
+            body = torch.cat([h[rows].reshape(-1).view(torch.uint8) for h in self.host.host]).numpy().tobytes()
+            try:
+                path.with_suffix(".tmp").write_bytes(self.MAGIC + key + zlib.crc32(body).to_bytes(4, "little") + body)
+                os.replace(path.with_suffix(".tmp"), path)  # (a reader never sees half a file)
+            except OSError as e:
+                self._stop_writing(e)
+                break
+            done += len(body)
+        return done
+
+    def read(self, key: bytes, host_slots: torch.Tensor) -> bool:
+        """Copy the page named `key` into `host_slots` (PAGE of them); False when it is absent or fails a check."""
+        path = self.dir / key.hex()
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            logger.warning("hicache: cannot read disk page %s (%s); recomputing its tokens", path, e)
+            return False
+        head, body = raw[:len(self.MAGIC) + 36], raw[len(self.MAGIC) + 36:]
+        if (head[:-4] != self.MAGIC + key or len(body) != self.page_bytes
+                or zlib.crc32(body) != int.from_bytes(head[-4:], "little")):
+            logger.warning("hicache: disk page %s is corrupt or truncated (%d bytes); recomputing its tokens",
+                           path, len(raw))
+            return False
+        data, off = torch.frombuffer(bytearray(body), dtype=torch.uint8), 0
+        for h in self.host.host:
+            n = PAGE * h[0].nbytes
+            h[host_slots] = data[off:off + n].view(h.dtype).view(PAGE, *h.shape[1:])
+            off += n
+        return True
+
+
+class HiCache:
+    """The tiers below the device: a radix tree of its own over host slots (LRU within its size) and, optionally,
+    disk pages. `save` copies down the tokens of a prefix the host lacks; `match` finds the longest prefix the host
+    holds, first bringing disk pages up. Write-through saves every prefix the device tree takes in; write-back only
+    what the device evicts (it saves evictions either way)."""
+
+    def __init__(self, pool: Any, size: int, write_policy: str = "write_through", storage_dir: str | None = None,
+                 fingerprint: str = "") -> None:
+        if write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {list(WRITE_POLICIES)}, got {write_policy!r}")
+        self.host, self.write_policy = HostKVPool(pool, size), write_policy
+        self.write_through = write_policy == "write_through"
+        self.disk = DiskStore(storage_dir, fingerprint, self.host) if storage_dir else None
+        write_back_to_disk = self.disk is not None and not self.write_through
+        self.tree = RadixCache(self.host.allocator, on_evict=self._to_disk if write_back_to_disk else None)
+        self.moved_bytes: Counter[str] = Counter()  # KV bytes copied, by direction
+
+    def _alloc(self, n: int, keep: TreeNode) -> torch.Tensor | None:
+        """`n` host slots, evicting least recently used host nodes (never `keep`'s path); None if they cannot be had."""
+        self.tree.inc_lock_ref(keep)
+        self.tree.evict(n - self.host.allocator.available_size())
+        self.tree.dec_lock_ref(keep)
+        return self.host.allocator.alloc(n) if self.host.allocator.can_alloc(n) else None
+
+    def _insert(self, tokens: list[int], slots: torch.Tensor, node: TreeNode) -> None:
+        self.tree.inc_lock_ref(node)  # (cache_finished_req releases a lock)
+        self.tree.cache_finished_req(tokens, slots, node)
+
+    def _to_disk(self, tokens: list[int], host_slots: torch.Tensor) -> None:
+        if self.disk is not None:
+            self.moved_bytes["host_to_disk"] += self.disk.write(tokens, host_slots)
+
+    def save(self, tokens: list[int], device_slots: torch.Tensor) -> None:
+        """Keep a host copy of the prefix `tokens` (KV in `device_slots`): its tokens the host lacks are copied."""
+        have, node = self.tree.match_prefix(tokens)
+        n = len(tokens) - have.numel()
+        if n <= 0 or (new := self._alloc(n, node)) is None:
+            return
+        self.host.save(device_slots[have.numel():], new)
+        self.moved_bytes["device_to_host"] += n * self.host.bytes_per_token
+        self._insert(tokens, slots := torch.cat([have, new]), node)
+        if self.write_through:
+            self._to_disk(tokens, slots)
+
+    def match(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode, int]:
+        """Host slots of the longest prefix of `tokens` found below the device, its node (locked: `unlock` it) and how
+        many of its tokens came from disk."""
+        slots, node = self.tree.match_prefix(tokens)
+        found = slots.numel()
+        if self.disk is not None:
+            start, pages = found // PAGE * PAGE, []
+            for key in self.disk.keys(tokens)[found // PAGE:]:
+                page = self._alloc(PAGE, node)
+                if page is None:
+                    break
+                if not self.disk.read(key, page):
+                    self.host.allocator.free(page)
+                    break
+                pages.append(page)
+            if pages:
+                self.moved_bytes["disk_to_host"] += len(pages) * self.disk.page_bytes
+                self._insert(tokens[:start + len(pages) * PAGE], torch.cat([slots[:start], *pages]), node)
+                slots, node = self.tree.match_prefix(tokens)
+        self.tree.inc_lock_ref(node)
+        return slots, node, slots.numel() - found
+
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
+        self.host.load(host_slots, device_slots)
+        self.moved_bytes["host_to_device"] += host_slots.numel() * self.host.bytes_per_token
+
+    def unlock(self, node: TreeNode) -> None:
+        self.tree.dec_lock_ref(node)
+
+    def flush(self) -> None:
+        self.tree.flush()
+
+    def info(self) -> dict[str, Any]:
+        """The host tier for GET /pools: size, occupancy, bytes per token (by layer kind), policy, disk, bytes moved."""
+        a = self.host.allocator
+        return {"size_tokens": a.size, "used_tokens": a.used_size(), "bytes_per_token": self.host.bytes_per_token,
+                "bytes_per_token_by_kind": self.host.bytes_per_token_by_kind,
+                "total_bytes": sum(h.nbytes for h in self.host.host), "write_policy": self.write_policy,
+                "storage_dir": str(self.disk.dir) if self.disk else None, "moved_bytes": dict(self.moved_bytes)}
+
+    def check_integrity(self) -> bool:
+        """The host tree's invariants, and every host slot free or the tree's, none locked between steps."""
+        assert self.tree.check_integrity() and self.host.allocator.check_integrity()
+        assert self.tree.protected_size() == 0, f"HiCache: {self.tree.protected_size()} host tokens left locked"
+        used, held = self.host.allocator.used_size(), self.tree.total_size()
+        assert used == held, f"HiCache: {used} host slots in use, the host tree holds {held}"
+        return True

@@ -1,0 +1,227 @@
+"""The hierarchical KV cache: host and disk tiers under the radix tree. Greedy multi-turn conversations whose prompts
+are longer than the sparse top-k window (init + local + 4 top-k blocks of 64 = 384 tokens) must give the same tokens
+with the tier off, on (either write policy), and with a device pool that holds everything; integrity is checked
+after every step. A stale or missing buffer of any kind changes the tokens (checked by leaving one uncopied)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from mem_cache import BUFFER_NAMES, HiCache, MiniMaxSparseKVPool
+from mem_cache.hicache import PAGE, bytes_per_token
+from tests.engine_utils import make_engine, run_all, submit
+from tests.http_utils import generate
+from tests.server_utils import live_server
+
+SMALL = 2600  # device slots: a third of what the conversations hold; one conversation fits
+WINDOW = (1 + 1 + 4) * 64
+
+
+def conversations(engine, clients: int = 4, rounds: int = 3, new: int = 450, out: int = 12) -> list[list[int]]:
+    """Each client's turns: its whole history plus `new` random tokens, `out` greedy tokens back; all clients of a
+    round at once. Returns every turn's output."""
+    rng = random.Random(0)
+    history = {c: [rng.randrange(5, 4000) for _ in range(new)] for c in range(clients)}
+    assert new > WINDOW
+    outputs = []
+    for _ in range(rounds):
+        rids = {c: submit(engine, history[c], max_new_tokens=out, temperature=0)[0] for c in range(clients)}
+        done = run_all(engine)  # (check_integrity after every step)
+        for c, rid in rids.items():
+            outputs.append(done[rid].output_ids)
+            history[c] += done[rid].output_ids + [rng.randrange(5, 4000) for _ in range(new)]
+    return outputs
+
+
+def tier(engine) -> HiCache:
+    return engine._kv.hicache
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return conversations(make_engine(max_total_tokens=16384))  # holds every conversation: nothing evicted
+
+
+def test_tier_off_recomputes_what_a_large_pool_keeps(reference) -> None:
+    engine = make_engine(max_total_tokens=SMALL)
+    assert conversations(engine) == reference
+    assert engine.stats().host_tier is None and engine.stats().hit_tokens["host"] == 0
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_tier_on_gives_the_same_tokens_and_finds_what_the_device_evicted(reference, policy: str) -> None:
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_write_policy=policy)
+    assert conversations(engine) == reference
+    hits, host = engine.stats().hit_tokens, engine.stats().host_tier
+    large = make_engine(max_total_tokens=16384)
+    conversations(large)
+    assert hits["host"] > 0 and hits["device"] + hits["host"] == large.stats().hit_tokens["device"]
+    assert host["moved_bytes"]["host_to_device"] >= hits["host"] * host["bytes_per_token"] > 0
+    assert host["size_tokens"] == 2 * SMALL and 0 < host["used_tokens"] <= host["size_tokens"]
+
+
+@pytest.mark.parametrize("left_out", BUFFER_NAMES)
+def test_a_buffer_kind_left_uncopied_changes_the_tokens(reference, left_out: str) -> None:
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True)
+    host = tier(engine).host
+    keep = [i for i, (_, name, _) in enumerate(host.buffers) if name != left_out]
+    host.buffers, host.host = [host.buffers[i] for i in keep], [host.host[i] for i in keep]
+    assert conversations(engine) != reference
+
+
+def test_a_full_host_tier_evicts_and_stays_correct(reference) -> None:
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_ratio=0.4)
+    assert conversations(engine) == reference
+    host = engine.stats().host_tier
+    assert host["size_tokens"] == int(0.4 * SMALL) and host["used_tokens"] <= host["size_tokens"]
+
+
+def test_aborts_after_a_load_leave_both_tiers_whole() -> None:
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True)
+    rng = random.Random(1)
+    prompts = [[rng.randrange(5, 4000) for _ in range(900)] for _ in range(4)]  # 4 x 900: more than the device holds
+    for p in prompts:
+        submit(engine, p, max_new_tokens=2, temperature=0)
+    run_all(engine)
+    loaded = engine.stats().hit_tokens["host"]
+    rids = [submit(engine, [*p, 11, 12], max_new_tokens=30, temperature=0)[0] for p in prompts]  # returning turns
+    for _ in range(3):
+        engine.step()
+        assert engine.check_integrity()
+    engine.abort(rids[0])
+    engine.abort(rids[2])
+    for _ in range(5):
+        engine.step()
+        assert engine.check_integrity()
+    engine.abort(abort_all=True)
+    run_all(engine)
+    assert engine.stats().hit_tokens["host"] > loaded and engine.check_integrity()
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_a_retracted_request_recomputes_nothing(on: bool) -> None:
+    """A pool too small for every request decoding at once retracts; the retracted request's KV goes through the
+    tree to the host tier and comes back, so its readmission prefills only the token it was about to decode
+    (without the tier: evicted, recomputed)."""
+    engine = make_engine(max_total_tokens=1500, enable_hierarchical_cache=on, max_running_requests=8)
+    sched, computed, recomputed = engine._scheduler, {}, {}
+    retract, admit = sched.retract, sched._admit
+
+    def on_retract(req) -> None:
+        computed[req.rid] = req.num_computed
+        retract(req)
+
+    def on_admit(req) -> None:
+        admit(req)
+        if req.rid in computed:  # (the last admission counts: one given back for want of room is admitted again)
+            recomputed[req.rid] = computed[req.rid] - req.kv.cached
+
+    sched.retract, sched._admit = on_retract, on_admit
+    rng = random.Random(2)
+    for _ in range(6):
+        submit(engine, [rng.randrange(5, 4000) for _ in range(200)], max_new_tokens=60, temperature=0,
+               ignore_eos=True)
+    run_all(engine)
+    assert recomputed and (list(recomputed.values()) == [0] * len(recomputed)) == on
+    assert (engine.stats().hit_tokens["host"] > 0) == on
+
+
+@pytest.mark.parametrize("kinds", [["sparse_k_only"] * 3, ["dense", "sparse_k_only"], ["sparse_index_kv"] * 2,
+                                   ["dense"] * 2, ["sparse_k_only", "sparse_index_kv", "dense"]])
+def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str]) -> None:
+    pool = MiniMaxSparseKVPool(64, torch.float32, kinds, 2, 8, 4)
+    names = [(layer, b) for b in BUFFER_NAMES for layer in pool.layers_with(b)]
+    for layer, b in names:
+        pool.buffer(layer, b).normal_()
+    hc = HiCache(pool, 32)
+    assert bytes_per_token(pool) == pool.bytes_per_token() == hc.host.bytes_per_token
+    tokens, first = list(range(100, 120)), torch.arange(1, 21)
+    before = {n: pool.buffer(*n)[first].clone() for n in names}
+    hc.save(tokens, first)
+    for n in names:
+        pool.buffer(*n).zero_()
+    host, node, from_disk = hc.match([*tokens, 7])
+    assert host.numel() == len(tokens) and from_disk == 0
+    second = torch.arange(30, 50)
+    hc.load(host, second)
+    hc.unlock(node)
+    assert all(torch.equal(pool.buffer(*n)[second], before[n]) for n in names)
+    assert hc.check_integrity()
+
+
+def test_mem_cache_asks_the_pool_what_it_has_instead_of_checking_classes() -> None:
+    for path in (Path(__file__).parents[1] / "mem_cache").glob("*.py"):
+        source = path.read_text()
+        assert not re.search(r"isinstance\([^)]*Pool", source), path
+        assert "except NotImplementedError" not in source, path
+
+
+def test_the_disk_tier_survives_a_restart_and_no_other_model_reads_it(reference, tmp_path: Path) -> None:
+    disk = dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    assert conversations(make_engine(max_total_tokens=SMALL, **disk)) == reference
+    pages = list(tmp_path.iterdir())
+    assert pages and all(p.stat().st_size == len(b"MMKV1") + 36 + PAGE * 5248 for p in pages)
+    restarted = make_engine(max_total_tokens=SMALL, **disk)
+    assert conversations(restarted) == reference
+    assert restarted.stats().hit_tokens["disk"] > 0
+    other = make_engine(max_total_tokens=SMALL, random_seed=1, **disk)  # other weights: another fingerprint
+    conversations(other, rounds=1)
+    assert other.stats().hit_tokens["disk"] == 0
+
+
+def test_corrupt_truncated_and_unwritable_disk_pages_are_recomputed(reference, tmp_path: Path, caplog) -> None:
+    disk = dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+    conversations(make_engine(max_total_tokens=SMALL, **disk))
+    for i, page in enumerate(sorted(tmp_path.iterdir())):
+        raw = bytearray(page.read_bytes())
+        if i % 3 == 0:
+            raw[len(raw) // 2] ^= 0xFF
+        page.write_bytes(raw[:len(raw) // 2] if i % 3 == 1 else raw)
+    with caplog.at_level(logging.WARNING, logger="mem_cache.hicache"):
+        engine = make_engine(max_total_tokens=SMALL, **disk)
+        assert conversations(engine) == reference
+    assert "corrupt or truncated" in caplog.text and engine.check_integrity()
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    with caplog.at_level(logging.WARNING, logger="mem_cache.hicache"):
+        unwritable = make_engine(max_total_tokens=SMALL, **{**disk, "hicache_storage_dir": str(blocked / "pages")})
+        assert conversations(unwritable) == reference
+    assert "cannot write disk pages" in caplog.text
+
+
+def test_bad_tier_settings_are_refused() -> None:
+    for bad, match in ((dict(hicache_write_policy="write_around"), "hicache_write_policy"),
+                       (dict(hicache_storage_backend="s3"), "hicache_storage_backend"),
+                       (dict(hicache_ratio=0), "hicache_ratio"),
+                       (dict(disable_radix_cache=True), "disable_radix_cache")):
+        with pytest.raises(ValueError, match=match):
+            make_engine(enable_hierarchical_cache=True, **bad)
+    with pytest.raises(ValueError, match="holds no token"):
+        make_engine(enable_hierarchical_cache=True, hicache_size=1e-9)
+
+
+def test_the_server_reports_the_host_tier_and_counts_its_hits() -> None:
+    with live_server("--max-total-tokens", "1200", "--enable-hierarchical-cache", "--enable-metrics",
+                     "--hicache-write-policy", "write_back") as s, s.client() as c:
+        rng = random.Random(3)
+        first = [[rng.randrange(5, 4000) for _ in range(500)] for _ in range(3)]
+        for ids in first:  # three conversations: together more than the device pool holds
+            generate(c, input_ids=ids, sampling_params={"max_new_tokens": 4, "temperature": 0})
+        back = generate(c, input_ids=first[0] + [9, 10], sampling_params={"max_new_tokens": 4, "temperature": 0})
+        assert back["meta_info"]["cached_tokens"] == 500  # found on the host: counted like a device hit
+        pools = c.get("/pools").json()
+        host = pools["host_tier"]
+        assert host["size_tokens"] == 2400 and host["write_policy"] == "write_back"
+        assert host["bytes_per_token"] == pools["bytes_per_token"]  # every buffer of every layer counted
+        # model.md §5 for configs/tiny, float32: main K+V 2 x 2 heads x 32; index K (and V) 1 x 32 each
+        assert host["bytes_per_token_by_kind"] == {"dense": 512, "sparse_index_kv": 768, "sparse_k_only": 640}
+        metrics = c.get("/metrics").text
+        found = {m[0]: float(m[1]) for m in re.findall(r'sglang:cache_hit_tokens_total\{.*tier="(\w+)"\} (\S+)',
+                                                       metrics)}
+        assert found["host"] >= 500 and 'sglang:hicache_moved_bytes_total' in metrics
