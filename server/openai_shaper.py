@@ -53,6 +53,11 @@ class _Shaper:
     def head_frames(self) -> tuple[str, ...]:
         return ()
 
+    def chunk(self, choice: Any, drop: dict[str, Any] | None = None) -> str:
+        usage = self.usage() if self.req.continuous_usage else None
+        drop = (drop or {}) | {"metadata": True} | ({} if usage else {"usage": True})
+        return _sse(self.chunk_type(**self.head, choices=[choice], usage=usage), drop)
+
     def tail(self):
         if self.req.include_usage:
             yield _sse(self.chunk_type(**self.head, choices=[], usage=self.usage()), {"metadata"})
@@ -95,11 +100,8 @@ class CompletionShaper(_Shaper):
         c = self.choice(i, text, out.logprobs, out.finish_reason if out.finished else None, self.sub.joined[i])
         if not (text or out.finished or (c.logprobs and c.logprobs.tokens)):
             return None
-        usage = self.usage() if self.req.continuous_usage else None
-        drop: dict[str, Any] = {"metadata": True} | ({} if usage else {"usage": True})
-        if c.prompt_logprobs is None:  # vLLM's key, in a stream only where asked
-            drop["choices"] = {0: {"prompt_logprobs"}}
-        return _sse(CompletionResponse(**self.head, choices=[c], usage=usage), drop)
+        # vLLM's prompt_logprobs key, in a stream only where asked
+        return self.chunk(c, {"choices": {0: {"prompt_logprobs"}}} if c.prompt_logprobs is None else None)
 
     def response(self, joined: list) -> CompletionResponse:
         choices = [self.choice(i, (self.texts[i // self.n] if self.echo else "") + j.text, j.logprobs,
@@ -111,10 +113,6 @@ class CompletionShaper(_Shaper):
 class ChatShaper(_Shaper):
     route, chunk_type = "/v1/chat/completions", ChatCompletionChunk
     req: ChatCompletionRequest
-
-    def chunk(self, choice: ChatStreamChoice) -> str:
-        usage = self.usage() if self.req.continuous_usage else None
-        return _sse(ChatCompletionChunk(**self.head, choices=[choice], usage=usage), None if usage else {"usage"})
 
     def head_frames(self) -> tuple[str, ...]:
         return tuple(self.chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
