@@ -94,9 +94,7 @@ def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], m
     base = req.rid or uuid.uuid4().hex
     reqs = [NewRequest(ids, params, logprob or LogprobOptions(), base if len(prompts) == 1 else f"{base}_{p}",
                        fit_context=True) for p, ids in enumerate(prompts)]
-    sub = Submission(state.async_engine, reqs, route)
-    sub.id = base
-    return sub
+    return Submission(state.async_engine, reqs, route, response_id=base)
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------------

@@ -39,9 +39,9 @@ def sampling_params(raw: dict[str, Any], cap: int | None, default: int | None) -
 
 
 class Submission:
-    def __init__(self, ae: AsyncEngine, reqs: list[NewRequest], route: str, started: float | None = None) -> None:
-        self.ae, self.route = ae, route
-        self.id = ""  # the response id, where the route has one
+    def __init__(self, ae: AsyncEngine, reqs: list[NewRequest], route: str, started: float | None = None,
+                 response_id: str = "") -> None:
+        self.ae, self.route, self.id = ae, route, response_id  # (the response id, where the route has one)
         self.started = time.monotonic() if started is None else started
         self.rids, self._channel = ae.submit(reqs)  # BadRequest -> 400, EngineDeadError -> 503
         self.joined = [JoinedOutput(r) for r in self.rids]
