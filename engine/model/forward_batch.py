@@ -81,6 +81,12 @@ class DecodeBatch:
     out_cache_loc: torch.Tensor  # [B] int64
     key_slots: torch.Tensor  # [B, N] int64
 
+    @classmethod
+    def empty(cls, rows: int, keys: int, device: torch.device) -> DecodeBatch:
+        """Padding rows only (position 0, slot 0): what warm-up runs, and CUDA graphs' static inputs."""
+        z = torch.zeros(rows, dtype=torch.int64, device=device)
+        return cls(z, z.clone(), z.clone(), torch.zeros(rows, keys, dtype=torch.int64, device=device))
+
     def key_visible(self) -> torch.Tensor:
         """[B, N] bool: key j exists for row r (j <= its position)."""
         n = self.key_slots.shape[1]

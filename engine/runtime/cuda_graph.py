@@ -24,9 +24,7 @@ class CudaGraphs:
     def __init__(self, step: Step, buckets: tuple[int, ...], key_buckets: tuple[int, ...],
                  device: torch.device) -> None:
         self.step, self.buckets, self.key_buckets = step, buckets, key_buckets
-        rows, keys = buckets[-1], key_buckets[-1]
-        z = torch.zeros(rows, dtype=torch.int64, device=device)
-        self.inputs = DecodeBatch(z, z.clone(), z.clone(), torch.zeros(rows, keys, dtype=torch.int64, device=device))
+        self.inputs = DecodeBatch.empty(buckets[-1], key_buckets[-1], device)
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.replays = 0
 

@@ -129,7 +129,7 @@ class DecodeGraphs:
             order, child = self.buckets[1:] + (1,), compile_beside((1,))
         for i, b in enumerate(order):
             t = time.perf_counter()
-            example = pad(empty_decode(b, self.min_keys, self.device), b)
+            example = DecodeBatch.empty(b, self.min_keys, self.device)
             if b == 1 and child is not None:
                 child.join()
                 if child.exitcode != 0:
@@ -199,12 +199,6 @@ def _marked(batch: DecodeBatch) -> DecodeBatch:
         for t in (batch.input_ids, batch.positions, batch.out_cache_loc, batch.key_slots):
             torch._dynamo.mark_dynamic(t, 0)
     return batch
-
-
-def empty_decode(rows: int, keys: int, device: torch.device) -> DecodeBatch:
-    """A decode step of padding rows only (position 0, slot 0): what warm-up runs."""
-    z = torch.zeros(rows, dtype=torch.int64, device=device)
-    return DecodeBatch(z, z.clone(), z.clone(), torch.zeros(rows, keys, dtype=torch.int64, device=device))
 
 
 def pad(batch: DecodeBatch, rows: int) -> DecodeBatch:
