@@ -43,8 +43,7 @@ class ModelRunner:
         self.graphs.warm_up(compile_beside)
 
     @torch.no_grad()
-    def decode_step(self, batch: DecodeBatch) -> torch.Tensor:
-        """fp32 logits of every row of a decode step, eager (what the graphs capture)."""
+    def decode_step(self, batch: DecodeBatch) -> torch.Tensor:  # (eager)
         return decode_step(self.model, self.pool, batch)
 
     @torch.no_grad()
