@@ -53,7 +53,7 @@ class CompletionResponse(_Response):
     object: str = "text_completion"
     choices: list[CompletionChoice]
     usage: UsageInfo | None = None
-    metadata: dict[str, str] | None = None
+    metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})  # (not in frames)
 
 
 class TopLogprob(BaseModel):
@@ -107,12 +107,10 @@ class ChatCompletionChunk(_Response):
     usage: UsageInfo | None = None
 
 
-def finish_fields(reason: dict[str, Any] | None) -> tuple[str | None, int | str | None]:
-    """(finish_reason, matched_stop): "stop" with the matched id or string, "length"/"abort" with null."""
-    if reason is None:
-        return None, None
-    kind = reason.get("type")
-    return kind, reason.get("matched") if kind == "stop" else None
+def finish_fields(reason: dict[str, Any] | None) -> dict[str, Any]:
+    """finish_reason and matched_stop: "stop" with the matched id or string, "length"/"abort" with null."""
+    kind = None if reason is None else reason.get("type")
+    return {"finish_reason": kind, "matched_stop": reason.get("matched") if kind == "stop" else None}
 
 
 def usage_of(prompt_lens: list[int], joined: list[JoinedOutput], n: int, cache_report: bool) -> UsageInfo:

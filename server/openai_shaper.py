@@ -15,7 +15,6 @@ from pydantic import BaseModel
 from engine.runtime.tokenizer import Tokenizer
 from server.errors import sse_error
 from server.openai_format import (
-    WEIGHT_VERSION,
     AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
@@ -89,10 +88,8 @@ class CompletionShaper(_Shaper):
         logprobs = None
         if self.req.logprobs is not None and lp is not None:
             logprobs, self.offsets[i] = completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
-        fr, matched = finish_fields(reason)
         plp = prompt_logprobs(self.tok, joined.logprobs, self.req.prompt_logprobs) if reason is not None else None
-        return CompletionChoice(index=i, text=text, logprobs=logprobs, finish_reason=fr, matched_stop=matched,
-                                prompt_logprobs=plp)
+        return CompletionChoice(index=i, text=text, logprobs=logprobs, prompt_logprobs=plp, **finish_fields(reason))
 
     def frame(self, i: int, out: Any) -> str | None:
         text = (self.texts[i // self.n] if self.echo and not self.started[i] else "") + out.new_text
@@ -106,8 +103,7 @@ class CompletionShaper(_Shaper):
     def response(self, joined: list) -> CompletionResponse:
         choices = [self.choice(i, (self.texts[i // self.n] if self.echo else "") + j.text, j.logprobs,
                                j.last.finish_reason, j) for i, j in enumerate(joined)]
-        return CompletionResponse(**self.head, choices=choices, usage=self.usage(joined),
-                                  metadata={"weight_version": WEIGHT_VERSION})
+        return CompletionResponse(**self.head, choices=choices, usage=self.usage(joined))
 
 
 class ChatShaper(_Shaper):
@@ -123,7 +119,7 @@ class ChatShaper(_Shaper):
         continuous_usage_stats the last content chunk carries the finish, so every chunk's count rises."""
         lines, one = [], self.req.continuous_usage
         entries = chat_logprobs(self.tok, out.logprobs) if self.req.logprobs and out.logprobs else []
-        ends = dict(zip(("finish_reason", "matched_stop"), finish_fields(out.finish_reason if out.finished else None)))
+        ends = finish_fields(out.finish_reason if out.finished else None)
         if out.new_text or entries or (one and out.finished):
             lp = ChoiceLogprobs(content=entries) if self.req.logprobs else None
             lines.append(self.chunk(ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp,
@@ -135,9 +131,8 @@ class ChatShaper(_Shaper):
     def response(self, joined: list) -> ChatCompletionResponse:
         choices = []
         for i, j in enumerate(joined):
-            fr, matched = finish_fields(j.last.finish_reason)
             lp = ChoiceLogprobs(content=chat_logprobs(self.tok, j.logprobs)) if self.req.logprobs and j.logprobs else None
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=j.text), logprobs=lp,
-                                      finish_reason=fr, matched_stop=matched))
+                                      **finish_fields(j.last.finish_reason)))
         return ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(joined),
                                       prompt_logprobs=prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs))
