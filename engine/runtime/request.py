@@ -188,32 +188,18 @@ class Limits:
 
 def validate(req: NewRequest, lim: Limits) -> None:
     """`ValueError` with the client's message (SGLang's words where SGLang has them): the server's 400."""
-    ids = req.prompt_ids
+    ids, p, lp, n = req.prompt_ids, req.params, req.logprob, len(req.prompt_ids)
     if not ids:
         raise ValueError("input_ids cannot be empty.")
     bad = next((t for t in ids if not 0 <= t < lim.vocab_size), None)
     if bad is not None:
         raise ValueError(f"input_ids must be in [0, {lim.vocab_size - 1}], got {bad}.")
-    if len(ids) >= lim.context_len:
-        raise ValueError(f"The input ({len(ids)} tokens) is longer than the model's context length "
+    if n >= lim.context_len:
+        raise ValueError(f"The input ({n} tokens) is longer than the model's context length "
                          f"({lim.context_len} tokens).")
-    if len(ids) + 1 > lim.pool_size:
-        raise ValueError(f"The input ({len(ids)} tokens) does not fit in the KV cache ({lim.pool_size} tokens); "
+    if n + 1 > lim.pool_size:
+        raise ValueError(f"The input ({n} tokens) does not fit in the KV cache ({lim.pool_size} tokens); "
                          "raise --max-total-tokens.")
-    _sampling(req, lim)
-    lp, n = req.logprob, len(ids)
-    if lp.logprob_start_len >= n:
-        raise ValueError(f"logprob_start_len ({lp.logprob_start_len}) is higher than the number of input tokens "
-                         f"({n}). Request with a lower logprob_start_len.")
-    if lp.top_logprobs_num < 0:
-        raise ValueError(f"top_logprobs_num must be at least 0, got {lp.top_logprobs_num}.")
-    for t in lp.token_ids_logprob or ():
-        if not 0 <= t < lim.vocab_size:
-            raise ValueError(f"token_ids_logprob must be in [0, {lim.vocab_size - 1}], got {t}.")
-
-
-def _sampling(req: NewRequest, lim: Limits) -> None:
-    p = req.params
     p.verify(lim.vocab_size)
     for key in ("regex", "json_schema", "ebnf", "structural_tag"):
         if getattr(p, key) is not None:
@@ -230,9 +216,16 @@ def _sampling(req: NewRequest, lim: Limits) -> None:
     if cap is not None and (m is None or m > cap):
         got = "null (no limit)" if m is None else str(m)
         raise ValueError(f"max_new_tokens {got} exceeds this server's limit of {cap} (--max-new-tokens-cap).")
-    if req.fit_context and m is not None and len(req.prompt_ids) + m > lim.context_len:
-        n = len(req.prompt_ids)
+    if req.fit_context and m is not None and n + m > lim.context_len:
         raise ValueError(f"Requested token count exceeds the model's maximum context length of {lim.context_len} "
                          f"tokens. You requested a total of {n + m} tokens: {n} tokens from the input messages "
                          f"and {m} tokens for the completion. Please reduce the number of tokens in the input "
                          "messages or the completion to fit within the limit.")
+    if lp.logprob_start_len >= n:
+        raise ValueError(f"logprob_start_len ({lp.logprob_start_len}) is higher than the number of input tokens "
+                         f"({n}). Request with a lower logprob_start_len.")
+    if lp.top_logprobs_num < 0:
+        raise ValueError(f"top_logprobs_num must be at least 0, got {lp.top_logprobs_num}.")
+    for t in lp.token_ids_logprob or ():
+        if not 0 <= t < lim.vocab_size:
+            raise ValueError(f"token_ids_logprob must be in [0, {lim.vocab_size - 1}], got {t}.")
