@@ -12,7 +12,7 @@ MODEL  ?= configs/tiny
 TORCH_INDEX ?=
 TORCH_PIP := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-neighbour bench-quality soak clean corpus tokenizer train
+.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-neighbour bench-multiturn bench-quality soak clean corpus tokenizer train
 
 venv: $(STAMP)
 
@@ -46,6 +46,11 @@ bench: $(STAMP)
 	$(PY) -m bench.run $(BENCH_ARGS)
 	$(PY) -m bench.decode_graphs
 	$(PY) -m bench.neighbour
+	$(PY) -m bench.multiturn
+
+# Multi-turn conversations, 4x the device pool, hierarchical cache off then on (~3 min): docs/benchmarks/multiturn.json
+bench-multiturn: $(STAMP)
+	$(PY) -m bench.multiturn $(BENCH_ARGS)
 
 # Batch-1 decode quiet and beside a busy core, per thread setting (~5 min): docs/benchmarks/neighbour.json
 bench-neighbour: $(STAMP)

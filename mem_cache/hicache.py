@@ -36,12 +36,13 @@ def bytes_per_token(pool: Any) -> int:
 
 class HostKVPool:
     """A host twin `[size + 1, ...]` of every device buffer (pinned beside a GPU; row 0 unused): one host slot holds
-    one token in all of them."""
+    one token in all of them. NOTE: left uninitialized (a row is read only after it is written), so on CPU the
+    tier's resident memory grows with what it holds, up to its size."""
 
     def __init__(self, pool: Any, size: int) -> None:
         self.buffers = pool_buffers(pool)
         pin = pool.device.type == "cuda"
-        self.host = [torch.zeros((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
+        self.host = [torch.empty((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
         self.allocator = TokenSlotAllocator(size)
         self.bytes_per_token = sum(h[0].nbytes for h in self.host)
         layer_bytes = Counter()

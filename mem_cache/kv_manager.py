@@ -25,9 +25,7 @@ class ReqToTokenPool:
             raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size} and {max_context_len}")
         self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
-        self._free: list[int] = []
         self._last: tuple[list, torch.Tensor] | None = None  # the last write's parts and flat index
-        self._in_use: list[bool] = []
         self.clear()
 
     def available_size(self) -> int:
@@ -48,22 +46,16 @@ class ReqToTokenPool:
                                      f"{self.size} are free (raise --max-running-requests or wait for requests to "
                                      "finish; call can_alloc() first)")
         taken, self._free = self._free[:n], self._free[n:]
-        for idx in taken:
-            self._in_use[idx] = True
         return taken
 
     def free(self, idx: int | list[int]) -> None:
         """Return request slots. Out-of-range, duplicate or not-allocated indices -> `ValueError`."""
-        indices = [idx] if isinstance(idx, int) else list(idx)
-        seen: set[int] = set()
+        indices, free = [idx] if isinstance(idx, int) else list(idx), set(self._free)
         for i in indices:
             if not 0 <= i < self.size:
                 raise ValueError(f"ReqToTokenPool.free: request slot {i} is out of range [0, {self.size})")
-            if not self._in_use[i] or i in seen:
+            if i in free or indices.count(i) > 1:
                 raise ValueError(f"ReqToTokenPool.free: request slot {i} is not allocated (double free?)")
-            seen.add(i)
-        for i in indices:
-            self._in_use[i] = False
         self._free.extend(indices)
 
     def write(self, parts: Sequence[tuple[int, int, int]], slots: torch.Tensor) -> None:
@@ -93,18 +85,11 @@ class ReqToTokenPool:
     def clear(self) -> None:
         """Free every request slot (table contents are left as they are; rows are rewritten on use)."""
         self._free = list(range(self.size))
-        self._in_use = [False] * self.size
 
     def check_integrity(self) -> bool:
-        """Free list has no duplicates, agrees with the in-use flags, and free + used == size."""
-        free_set = set(self._free)
-        assert len(free_set) == len(self._free), "ReqToTokenPool: free list holds duplicate request slots"
-        assert all(0 <= i < self.size for i in free_set), "ReqToTokenPool: free list holds out-of-range slots"
-        both = [i for i in free_set if self._in_use[i]]
-        assert not both, f"ReqToTokenPool: request slots {both[:8]} are both free and in use"
-        used = sum(self._in_use)
-        assert used + len(self._free) == self.size, (
-            f"ReqToTokenPool: free ({len(self._free)}) + used ({used}) != size ({self.size})")
+        """The free list holds distinct request slots in range (every other slot is in use)."""
+        assert len(set(self._free)) == len(self._free), "ReqToTokenPool: free list holds duplicate request slots"
+        assert all(0 <= i < self.size for i in self._free), "ReqToTokenPool: free list holds out-of-range slots"
         return True
 
 
