@@ -119,7 +119,7 @@ class KVCacheManager:
         self.hicache = hicache
         self.radix = RadixCache(self.allocator, disable_radix_cache, hicache.save if hicache else None)
         self._live: set[ReqKV] = set()
-        self.hit_tokens = Counter(device=0, host=0, disk=0, miss=0)  # prefix tokens found per tier, by released requests
+        self.hit_tokens = Counter(device=0, host=0, disk=0, miss=0)  # prefix tokens per tier found, by released reqs
 
     # ---- questions ------------------------------------------------------------------------------------
     @property

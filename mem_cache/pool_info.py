@@ -178,53 +178,24 @@ class SparsePoolInfoMixin:
 
     # ---- self-check ----------------------------------------------------------------------------------
     def check_integrity(self) -> bool:
-        """Buffers' shapes/dtypes/devices, routing of every layer by its kind, no V in the K-only pool;
-        `AssertionError` with a message on the first inconsistency."""
-        kinds = self.layer_kinds
-        kv_ids = [i for i, k in enumerate(kinds) if k == SPARSE_INDEX_KV]
-        k_ids = [i for i, k in enumerate(kinds) if k == SPARSE_K_ONLY]
-        self._check_sub_pool(self.main_pool, self.head_num, self.head_dim, list(range(self.num_layers)))
-        for sub, ids in ((self.index_kv_pool, kv_ids), (self.index_k_pool, k_ids)):
-            assert (sub is None) == (not ids), f"sub-pool {sub and sub.name} present={sub is not None} for layers {ids}"
-            if sub is not None:
-                self._check_sub_pool(sub, 1, self.index_head_dim, ids)
-        for layer_id, kind in enumerate(kinds):
+        """Every layer has the buffers of its kind, each routed to a local layer that maps back to it, with the
+        shape, dtype and device the pool says; no V in a pool without V; `AssertionError` on the first fault."""
+        for pool in self.sub_pools():
+            assert pool.has_value_buffer or not hasattr(pool, "v_buffer"), f"'{pool.name}': a K-only pool holds V"
+            assert (pool.size, pool.dtype) == (self.size, self.dtype), f"'{pool.name}': size/dtype not the parent's"
+        for layer_id, kind in enumerate(self.layer_kinds):
             routes = self._routes[layer_id]
-            assert set(routes) == set(BUFFER_NAMES), f"layer {layer_id}: routes for {sorted(routes)}"
             present = {b for b, r in routes.items() if r is not None}
-            assert present == KIND_BUFFERS[kind], f"layer {layer_id} ({kind}) routes {sorted(present)}"
+            assert set(routes) == set(BUFFER_NAMES) and present == KIND_BUFFERS[kind], (
+                f"layer {layer_id} ({kind}) routes {sorted(present)}")
             for buffer in present:
-                r = routes[buffer]
-                assert r is not None
-                index_pool = self.index_kv_pool if kind == SPARSE_INDEX_KV else self.index_k_pool
-                want = self.main_pool if buffer in ("key", "value") else index_pool
-                assert r.pool is want, f"layer {layer_id} {buffer}: routed to {r.pool.name}"
+                r, t = routes[buffer], self.buffer(layer_id, buffer)
                 assert r.pool.global_layer_ids[r.local_layer_id] == layer_id, (
-                    f"layer {layer_id} {buffer}: local id {r.local_layer_id} maps back to "
-                    f"{r.pool.global_layer_ids[r.local_layer_id]}")
-                if buffer in ("value", "index_value"):
-                    assert r.pool.has_value_buffer, f"layer {layer_id} {buffer}: pool has no V"
+                    f"layer {layer_id} {buffer}: local id {r.local_layer_id} of {r.pool.name} maps to another layer")
+                assert buffer in ("key", "index_key") or r.pool.has_value_buffer, f"layer {layer_id} {buffer}: no V"
+                heads, dim = (self.head_num, self.head_dim) if buffer in ("key", "value") else (1, self.index_head_dim)
+                assert tuple(t.shape) == (self.size + 1, heads, dim) and t.dtype == self.dtype, (
+                    f"layer {layer_id} {buffer}: {tuple(t.shape)} {t.dtype} in {r.pool.name}")
+                assert t.device.type == self.device.type and self.device.index in (None, t.device.index), (
+                    f"layer {layer_id} {buffer}: on {t.device}, the pool on {self.device}")
         return True
-
-    def _check_sub_pool(self, pool: MHATokenToKVPool, head_num: int, head_dim: int, layer_ids: list[int]) -> None:
-        tag = f"{type(pool).__name__} '{pool.name}'"
-        assert (pool.size, pool.dtype) == (self.size, self.dtype), (
-            f"{tag}: size/dtype {(pool.size, pool.dtype)} differ from the parent's")
-        assert (pool.head_num, pool.head_dim) == (head_num, head_dim), (
-            f"{tag}: heads x dim {(pool.head_num, pool.head_dim)} != expected {(head_num, head_dim)}")
-        assert pool.global_layer_ids == layer_ids, f"{tag}: holds layers {pool.global_layer_ids}, expected {layer_ids}"
-        shape = (self.size + 1, head_num, head_dim)
-        tensors = list(pool.k_buffer)
-        assert len(pool.k_buffer) == len(layer_ids), f"{tag}: {len(pool.k_buffer)} K buffers, {len(layer_ids)} layers"
-        if pool.has_value_buffer:
-            assert len(pool.v_buffer) == len(layer_ids), f"{tag}: {len(pool.v_buffer)} V buffers"
-            tensors += pool.v_buffer
-        else:
-            assert not hasattr(pool, "v_buffer"), f"{tag}: a K-only pool holds V"
-        for t in tensors:
-            assert tuple(t.shape) == shape, f"{tag}: buffer shape {tuple(t.shape)} != {shape}"
-            assert t.dtype == self.dtype, f"{tag}: buffer dtype {t.dtype} != {self.dtype}"
-            assert t.device.type == self.device.type and self.device.index in (None, t.device.index), (
-                f"{tag}: buffer on {t.device}, pool device {self.device}")
-        expected = len(tensors) * shape[0] * head_num * head_dim * self.dtype.itemsize
-        assert pool.total_bytes() == expected, f"{tag}: total_bytes {pool.total_bytes()} != {expected}"
