@@ -24,6 +24,7 @@ from engine.runtime.engine import Engine
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.request import NewRequest
 from engine.runtime.sampling_params import SamplingParams
+from tests.engine_utils import forced_retraction as retracted_and_recomputed
 from tests.server_utils import live_server
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,26 +135,9 @@ def first_token_s(e: Engine, ids: list[int]) -> tuple[float, int]:
 
 
 def forced_retraction() -> dict:
-    """Six requests that cannot all decode in 1,500 slots: every retracted one's readmission, tokens recomputed."""
+    """Six requests that cannot all decode in 1,500 slots: the retracted ones, and the tokens they recomputed."""
     e = engine(max_total_tokens=1500, enable_hierarchical_cache=True, max_running_requests=8)
-    sched, computed, recomputed = e._scheduler, {}, {}
-    retract, admit = sched.retract, sched._admit
-
-    def on_retract(req) -> None:
-        computed[req.rid] = req.num_computed
-        retract(req)
-
-    def on_admit(req) -> None:
-        admit(req)
-        if req.rid in computed:
-            recomputed[req.rid] = computed[req.rid] - req.kv.cached
-
-    sched.retract, sched._admit = on_retract, on_admit
-    rng = random.Random(2)
-    e.add_requests([NewRequest([rng.randrange(5, 4000) for _ in range(200)], SamplingParams.from_dict(
-        {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True})) for _ in range(6)])
-    while e.has_work():
-        e.step()
+    recomputed = retracted_and_recomputed(e)
     assert e.check_integrity()
     return {"retracted_requests": len(recomputed), "tokens_recomputed": sum(recomputed.values())}
 

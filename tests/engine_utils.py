@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -39,3 +40,27 @@ def run_all(engine: Engine, check: bool = True, joined: dict[str, JoinedOutput] 
 def solo(engine: Engine, prompt: list[int], logprob: LogprobOptions | None = None, **params: Any) -> JoinedOutput:
     (rid,) = submit(engine, prompt, logprob, **params)
     return run_all(engine, check=False)[rid]
+
+
+def forced_retraction(engine: Engine) -> dict[str, int]:
+    """Six requests of 200 + 60 tokens that cannot all decode in the engine's pool (1,500 slots): run them; for each
+    retracted one, the tokens it had computed that its (last) readmission did not find cached."""
+    sched, computed, recomputed = engine._scheduler, {}, {}
+    retract, admit = sched.retract, sched._admit
+
+    def on_retract(req) -> None:
+        computed[req.rid] = req.num_computed
+        retract(req)
+
+    def on_admit(req) -> None:
+        admit(req)
+        if req.rid in computed:  # (the last admission counts: one given back for want of room is admitted again)
+            recomputed[req.rid] = computed[req.rid] - req.kv.cached
+
+    sched.retract, sched._admit = on_retract, on_admit
+    rng = random.Random(2)
+    for _ in range(6):
+        submit(engine, [rng.randrange(5, 4000) for _ in range(200)], max_new_tokens=60, temperature=0,
+               ignore_eos=True)
+    run_all(engine)
+    return recomputed

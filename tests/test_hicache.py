@@ -15,7 +15,7 @@ import torch
 
 from mem_cache import BUFFER_NAMES, HiCache, MiniMaxSparseKVPool
 from mem_cache.hicache import PAGE, bytes_per_token
-from tests.engine_utils import make_engine, run_all, submit
+from tests.engine_utils import forced_retraction, make_engine, run_all, submit
 from tests.http_utils import generate
 from tests.server_utils import live_server
 
@@ -110,24 +110,7 @@ def test_a_retracted_request_recomputes_nothing(on: bool) -> None:
     tree to the host tier and comes back, so its readmission prefills only the token it was about to decode
     (without the tier: evicted, recomputed)."""
     engine = make_engine(max_total_tokens=1500, enable_hierarchical_cache=on, max_running_requests=8)
-    sched, computed, recomputed = engine._scheduler, {}, {}
-    retract, admit = sched.retract, sched._admit
-
-    def on_retract(req) -> None:
-        computed[req.rid] = req.num_computed
-        retract(req)
-
-    def on_admit(req) -> None:
-        admit(req)
-        if req.rid in computed:  # (the last admission counts: one given back for want of room is admitted again)
-            recomputed[req.rid] = computed[req.rid] - req.kv.cached
-
-    sched.retract, sched._admit = on_retract, on_admit
-    rng = random.Random(2)
-    for _ in range(6):
-        submit(engine, [rng.randrange(5, 4000) for _ in range(200)], max_new_tokens=60, temperature=0,
-               ignore_eos=True)
-    run_all(engine)
+    recomputed = forced_retraction(engine)
     assert recomputed and (list(recomputed.values()) == [0] * len(recomputed)) == on
     assert (engine.stats().hit_tokens["host"] > 0) == on
 
