@@ -14,10 +14,10 @@ class TokenSlotAllocator:
     handed out, so padded writes (a decode graph's unused rows) can target it without corrupting anyone.
     """
 
-    def __init__(self, size: int, device: str | torch.device = "cpu") -> None:
+    def __init__(self, size: int, device: str | torch.device = "cpu", keep_sorted: bool = True) -> None:
         if size <= 0:
             raise ValueError(f"TokenSlotAllocator: size must be positive, got {size}")
-        self.size, self.device = size, torch.device(device)
+        self.size, self.device, self.keep_sorted = size, torch.device(device), keep_sorted
         # NOTE: index = slot; entry 0 (the padding slot) is always False and never in the free list.
         self._allocated = torch.zeros(size + 1, dtype=torch.bool, device=self.device)
         self._free = torch.empty(0, dtype=torch.int64, device=self.device)
@@ -64,8 +64,11 @@ class TokenSlotAllocator:
                              "(double free?)")
         self._allocated[slots] = False
         # NOTE: the free list stays sorted, so a request's slots come out consecutive whenever the
-        # pool allows it, and a long prefill reads its K/V as a view instead of gathering.
-        self._free = torch.sort(torch.cat([self._free, uniq])).values
+        # pool allows it, and a long prefill reads its K/V as a view instead of gathering. (A host tier's slots
+        # are only copied: it skips the sort, a CPU sort of its whole free list at every free.)
+        self._free = torch.cat([self._free, uniq])
+        if self.keep_sorted:
+            self._free = torch.sort(self._free).values
 
     def is_allocated(self, slots: torch.Tensor) -> bool:
         """Whether every slot of `slots` is currently handed out."""

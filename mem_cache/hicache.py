@@ -43,7 +43,7 @@ class HostKVPool:
         self.buffers = pool_buffers(pool)
         pin = pool.device.type == "cuda"
         self.host = [torch.empty((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
-        self.allocator = TokenSlotAllocator(size)
+        self.allocator = TokenSlotAllocator(size, keep_sorted=False)
         self.bytes_per_token = sum(h[0].nbytes for h in self.host)
         layer_bytes = Counter()
         for (layer, *_), h in zip(self.buffers, self.host):

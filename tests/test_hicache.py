@@ -82,6 +82,14 @@ def test_a_full_host_tier_evicts_and_stays_correct(reference) -> None:
     assert host["size_tokens"] == int(0.4 * SMALL) and host["used_tokens"] <= host["size_tokens"]
 
 
+def test_flush_cache_drops_both_tiers(reference) -> None:
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True)
+    conversations(engine, rounds=1)
+    assert engine.stats().host_tier["used_tokens"] > 0 and engine.flush_cache()
+    assert engine.stats().host_tier["used_tokens"] == 0 == engine.stats().cached_tokens and engine.check_integrity()
+    assert conversations(engine) == reference
+
+
 def test_aborts_after_a_load_leave_both_tiers_whole() -> None:
     engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True)
     rng = random.Random(1)
