@@ -4,7 +4,7 @@ fp32 on CUDA against fp32 on CPU (shipped weights, a prompt past the sparse laye
 selection runs on both); bf16 on CUDA as a smoke test against fp32 (top-1 agreement and mean KL: bf16 rounding
 flips a few block selections, so its logits are not held to fp32's tolerance); captured decode against eager
 over 80 tokens that cross a block boundary and a key bucket, with the graphs replayed; the model's decode step
-under CUDA's sync debug mode (no host sync inside); the server over HTTP.
+under CUDA's sync debug mode (no host sync inside); the server over HTTP; the host KV tier under a CUDA pool.
 """
 
 from __future__ import annotations
@@ -84,3 +84,17 @@ def test_http_round_trip_on_cuda(tmp_path):
         assert r.status_code == 200
         pools = httpx.get(srv.url + "/pools", timeout=30).json()
         assert pools["device"].startswith("cuda") and pools["dtype"] == "bfloat16"
+
+
+def test_host_tier_on_cuda_gives_the_same_tokens():
+    """The hierarchical cache with the device pool on CUDA (pinned host buffers, copies each way): greedy
+    multi-turn conversations past the top-k window, identical to a pool that holds everything."""
+    from tests.test_hicache import SMALL, conversations
+
+    def engine(**kw):
+        return make_engine(device="cuda", dtype="float32", model_path=TINY, load_format="auto", **kw)
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    on = engine(max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_write_policy="write_back")
+    assert conversations(on) == conversations(engine(max_total_tokens=16384))
+    assert on.stats().hit_tokens["host"] > 0 and on.check_integrity()
