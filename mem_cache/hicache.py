@@ -34,6 +34,13 @@ def bytes_per_token(pool: Any) -> int:
     return sum(t[0].numel() * t.element_size() for _, _, t in pool_buffers(pool))
 
 
+def _remove(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError:  # (an unwritable directory: the page stays, and is refused again when read)
+        pass
+
+
 class HostKVPool:
     """A host twin `[size + 1, ...]` of every device buffer (pinned beside a GPU; row 0 unused): one host slot holds
     one token in all of them. NOTE: left uninitialized (a row is read only after it is written), so on CPU the
@@ -96,32 +103,35 @@ class DiskStore:
             path = self.dir / key.hex()
             if path.exists():
                 continue
-            rows = host_slots[p * PAGE:(p + 1) * PAGE]
+            rows, tmp = host_slots[p * PAGE:(p + 1) * PAGE], path.with_suffix(f".{os.getpid()}.tmp")
             body = torch.cat([h[rows].reshape(-1).view(torch.uint8) for h in self.host.host]).numpy().tobytes()
-            try:
-                path.with_suffix(".tmp").write_bytes(self.MAGIC + key + zlib.crc32(body).to_bytes(4, "little") + body)
-                os.replace(path.with_suffix(".tmp"), path)  # (a reader never sees half a file)
+            try:  # (a file of its own per process, renamed whole: a reader never sees half a page)
+                tmp.write_bytes(self.MAGIC + key + zlib.crc32(body).to_bytes(4, "little") + body)
+                os.replace(tmp, path)
             except OSError as e:
+                tmp.unlink(missing_ok=True)
                 self._stop_writing(e)
                 break
             done += len(body)
         return done
 
-    def read(self, key: bytes, host_slots: torch.Tensor) -> bool:
-        """Copy the page named `key` into `host_slots` (PAGE of them); False when it is absent or fails a check."""
+    def read(self, key: bytes, host_slots: torch.Tensor) -> bool | None:
+        """Copy the page named `key` into `host_slots` (PAGE of them): True; None when there is none; False when
+        it fails a check (it is removed)."""
         path = self.dir / key.hex()
         try:
             raw = path.read_bytes()
-        except FileNotFoundError:
-            return False
+        except (FileNotFoundError, NotADirectoryError):
+            return None
         except OSError as e:
             logger.warning("hicache: cannot read disk page %s (%s); recomputing its tokens", path, e)
             return False
         head, body = raw[:len(self.MAGIC) + 36], raw[len(self.MAGIC) + 36:]
         if (head[:-4] != self.MAGIC + key or len(body) != self.page_bytes
                 or zlib.crc32(body) != int.from_bytes(head[-4:], "little")):
-            logger.warning("hicache: disk page %s is corrupt or truncated (%d bytes); recomputing its tokens",
-                           path, len(raw))
+            logger.warning("hicache: disk page %s is corrupt or truncated (%d bytes); removed, its tokens recomputed "
+                           "(and written again)", path, len(raw))
+            _remove(path)
             return False
         data, off = torch.frombuffer(bytearray(body), dtype=torch.uint8), 0
         for h in self.host.host:
@@ -181,13 +191,15 @@ class HiCache:
         slots, node = self.tree.match_prefix(tokens)
         found = slots.numel()
         if self.disk is not None:
-            start, pages = found // PAGE * PAGE, []
-            for key in self.disk.keys(tokens)[found // PAGE:]:
+            start, pages, keys = found // PAGE * PAGE, [], self.disk.keys(tokens)[found // PAGE:]
+            for i, key in enumerate(keys):
                 page = self._alloc(PAGE, node)
                 if page is None:
                     break
-                if not self.disk.read(key, page):
+                if not (read := self.disk.read(key, page)):
                     self.host.allocator.free(page)
+                    for later in keys[i + 1:] if read is False else ():  # (recomputed, so written again)
+                        _remove(self.disk.dir / later.hex())
                     break
                 pages.append(page)
             if pages:
@@ -205,7 +217,11 @@ class HiCache:
         self.tree.dec_lock_ref(node)
 
     def flush(self) -> None:
+        """Drop the host tier, and the disk tier's pages: a flushed cache finds nothing."""
         self.tree.flush()
+        if self.disk is not None:
+            for page in self.disk.dir.glob("?" * 64):  # (a page's name: 32 bytes in hex)
+                _remove(page)
 
     def info(self) -> dict[str, Any]:
         """The host tier for GET /pools: size, occupancy, bytes per token (by layer kind), policy, disk, bytes moved."""

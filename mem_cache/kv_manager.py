@@ -211,10 +211,16 @@ class KVCacheManager:
             kv.num_computed += n
         return slots
 
-    def release(self, kv: ReqKV, token_ids: Sequence[int]) -> None:
+    def release(self, kv: ReqKV, token_ids: Sequence[int], cache: bool = True) -> None:
         """A finished, aborted or retracted request gives its KV back: the tokens it computed
-        (`token_ids`, one per slot) go to the prefix cache, its duplicates and its row are freed."""
+        (`token_ids`, one per slot) go to the prefix cache, its duplicates and its row are freed. `cache=False`
+        (after a failed step, whose slots may never have been written): its own slots are only freed."""
         self._live.remove(kv)
+        if not cache:
+            self.radix.dec_lock_ref(kv.node)
+            self.allocator.free(self.slots(kv)[kv.cached:])
+            self.req_to_token.free(kv.row)
+            return
         if kv.num_computed > kv.cached:  # (not one admitted and given back before it ran)
             self.hit_tokens.update(kv.found)
         if self.hicache is not None and self.hicache.write_through:

@@ -153,11 +153,18 @@ def test_mem_cache_asks_the_pool_what_it_has_instead_of_checking_classes() -> No
         assert "except NotImplementedError" not in source, path
 
 
-def test_the_disk_tier_survives_a_restart_and_no_other_model_reads_it(reference, tmp_path: Path) -> None:
-    disk = dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
+def pages(directory: Path) -> list[Path]:
+    return sorted(directory.glob("?" * 64))
+
+
+@pytest.mark.parametrize("policy, ratio", [("write_through", 2.0), ("write_back", 0.4)])
+def test_the_disk_tier_survives_a_restart_and_no_other_model_reads_it(reference, tmp_path: Path, policy: str,
+                                                                      ratio: float) -> None:
+    """Write-through writes a page with its host copy; write-back when the host evicts it (a small host tier)."""
+    disk = dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                hicache_write_policy=policy, hicache_ratio=ratio)
     assert conversations(make_engine(max_total_tokens=SMALL, **disk)) == reference
-    pages = list(tmp_path.iterdir())
-    assert pages and all(p.stat().st_size == len(b"MMKV1") + 36 + PAGE * 5248 for p in pages)
+    assert pages(tmp_path) and all(p.stat().st_size == len(b"MMKV1") + 36 + PAGE * 5248 for p in pages(tmp_path))
     restarted = make_engine(max_total_tokens=SMALL, **disk)
     assert conversations(restarted) == reference
     assert restarted.stats().hit_tokens["disk"] > 0
@@ -169,7 +176,7 @@ def test_the_disk_tier_survives_a_restart_and_no_other_model_reads_it(reference,
 def test_corrupt_truncated_and_unwritable_disk_pages_are_recomputed(reference, tmp_path: Path, caplog) -> None:
     disk = dict(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path))
     conversations(make_engine(max_total_tokens=SMALL, **disk))
-    for i, page in enumerate(sorted(tmp_path.iterdir())):
+    for i, page in enumerate(pages(tmp_path)):
         raw = bytearray(page.read_bytes())
         if i % 3 == 0:
             raw[len(raw) // 2] ^= 0xFF
@@ -177,13 +184,45 @@ def test_corrupt_truncated_and_unwritable_disk_pages_are_recomputed(reference, t
     with caplog.at_level(logging.WARNING, logger="mem_cache.hicache"):
         engine = make_engine(max_total_tokens=SMALL, **disk)
         assert conversations(engine) == reference
-    assert "corrupt or truncated" in caplog.text and engine.check_integrity()
+    bad = caplog.text.count("corrupt or truncated")
+    assert bad and engine.check_integrity()
+    caplog.clear()  # a bad page and the ones after it were removed, recomputed and written again
+    with caplog.at_level(logging.WARNING, logger="mem_cache.hicache"):
+        restarted = make_engine(max_total_tokens=SMALL, **disk)
+        assert conversations(restarted) == reference
+    assert "corrupt" not in caplog.text and restarted.stats().hit_tokens["disk"] > 0
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     with caplog.at_level(logging.WARNING, logger="mem_cache.hicache"):
         unwritable = make_engine(max_total_tokens=SMALL, **{**disk, "hicache_storage_dir": str(blocked / "pages")})
         assert conversations(unwritable) == reference
     assert "cannot write disk pages" in caplog.text
+
+
+def test_flush_drops_the_disk_pages_too(tmp_path: Path) -> None:
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_storage_backend="file",
+                         hicache_storage_dir=str(tmp_path))
+    prompt = list(range(5, 600))
+    submit(engine, prompt, max_new_tokens=2)
+    run_all(engine)
+    assert pages(tmp_path) and engine.flush_cache() and not pages(tmp_path)
+    (rid,) = submit(engine, prompt, max_new_tokens=2)
+    assert run_all(engine)[rid].cached_tokens == 0
+
+
+def test_a_failed_step_caches_nothing_on_any_tier() -> None:
+    """The slots of a step that raised were allocated but maybe never written: none reaches the tree or the host."""
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True)
+    submit(engine, list(range(5, 600)), max_new_tokens=2)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("a kernel failed")
+
+    engine._runner.forward = broken
+    with pytest.raises(RuntimeError):
+        engine.step()
+    engine.fail_all("a kernel failed")
+    assert engine.stats().cached_tokens == 0 == engine.stats().host_tier["used_tokens"] and engine.check_integrity()
 
 
 def test_bad_tier_settings_are_refused() -> None:

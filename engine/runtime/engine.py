@@ -143,10 +143,10 @@ class Engine:
                 message = ABORT_WAITING if req.kv is None else "Aborted by request."
                 self._end(req, {"type": "abort", "message": message, "status_code": None})
 
-    def _end(self, req: Req, reason: dict, error: str | None = None) -> None:
+    def _end(self, req: Req, reason: dict, error: str | None = None, cache: bool = True) -> None:
         req.finish(reason, error)
         req.stop.finish(None)
-        self._scheduler.release(req)
+        self._scheduler.release(req, cache)
         self._touched[req.rid] = req
 
     def _run(self, batch: ScheduledBatch) -> None:
@@ -208,10 +208,11 @@ class Engine:
         return outs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """End every queued and running request with an error (after a failed step); report them."""
+        """End every queued and running request with an error (after a failed step); report them. NOTE: their KV
+        is not cached: the failed step's slots were allocated, maybe never written."""
         self._drain_inbox()
         for req in self._scheduler.requests():
-            self._end(req, {"type": "abort", "message": message, "status_code": 500}, message)
+            self._end(req, {"type": "abort", "message": message, "status_code": 500}, message, cache=False)
         return self._collect()
 
     # ---- state and maintenance (any thread) ------------------------------------------------------

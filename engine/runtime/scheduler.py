@@ -42,13 +42,13 @@ class Scheduler:
     def requests(self) -> list[Req]:
         return [*self.waiting, *self.running]
 
-    def release(self, req: Req) -> None:
-        """Drop a finished or aborted request and give back its KV (shared prefix to the tree)."""
+    def release(self, req: Req, cache: bool = True) -> None:
+        """Drop a finished or aborted request and give back its KV (to the tree unless `cache` is False)."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
-        self._free_kv(req)
+        self._free_kv(req, cache)
 
     def retract(self, req: Req) -> None:
         """Put a running request back at the head of the queue; it is recomputed later."""
@@ -57,9 +57,9 @@ class Scheduler:
         req.num_retractions += 1
         self.waiting.appendleft(req)
 
-    def _free_kv(self, req: Req) -> None:
+    def _free_kv(self, req: Req, cache: bool = True) -> None:
         if req.kv is not None:
-            self.kv.release(req.kv, req.all_ids[:req.num_computed])
+            self.kv.release(req.kv, req.all_ids[:req.num_computed], cache)
             req.kv = None
 
     def next_batch(self) -> ScheduledBatch | None:

@@ -101,14 +101,30 @@ def model_fingerprint(model: MiniMaxM3Model, model_path: str, dtype: torch.dtype
     return h.hexdigest()
 
 
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
+    return int(line.split()[1]) * 1024
+
+
 def build_hicache(args: EngineArgs, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> HiCache | None:
     """The host tier (--hicache-size GB, else --hicache-ratio x the device pool) and the disk one, if asked."""
     if not args.enable_hierarchical_cache:
         return None
-    per_token = bytes_per_token(pool)
+    per_token, free = bytes_per_token(pool), _available_bytes()
     size = int(args.hicache_size * 1e9) // per_token - 1 if args.hicache_size else int(pool.size * args.hicache_ratio)
     if size < 1:
         raise ValueError(f"a host tier of {args.hicache_size} GB holds no token: one costs {per_token} bytes")
+    if free is not None and (size + 1) * per_token > free // 2:  # (half of what is free: the process needs the rest)
+        if args.hicache_size:
+            raise ValueError(f"--hicache-size {args.hicache_size} GB is more than half the {free / 1e9:.1f} GB of "
+                             "memory available; give a smaller --hicache-size")
+        size = free // 2 // per_token - 1
+        logger.warning("host KV tier: --hicache-ratio %.1f would take more than half the %.1f GB of memory available; "
+                       "capped at %d tokens", args.hicache_ratio, free / 1e9, size)
     disk = args.hicache_storage_dir if args.hicache_storage_backend == "file" else None
     fingerprint = model_fingerprint(model, args.model_path, pool.dtype) if disk else ""
     logger.info("host KV tier: %d tokens (%.1f MiB, %s)%s", size, size * per_token / 2**20, args.hicache_write_policy,
