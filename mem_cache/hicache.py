@@ -71,7 +71,8 @@ class HostKVPool:
 class DiskStore:
     """One file per page of PAGE tokens, named by a hash chained over the model's fingerprint and every token up to
     the page's end: a restarted server finds its pages, another model never does. A file holds a magic, its own name,
-    a CRC-32 and the page's bytes; one that fails any check is logged and read as a miss (the tokens recomputed)."""
+    a CRC-32 and the page's bytes; one that fails any check is logged, removed and read as a miss (its tokens, and
+    those of the pages after it, recomputed and written again)."""
 
     MAGIC = b"MMKV1"
 
