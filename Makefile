@@ -12,7 +12,7 @@ MODEL  ?= configs/tiny
 TORCH_INDEX ?=
 TORCH_PIP := torch==2.13.0 $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 
-.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-neighbour bench-multiturn bench-quality soak clean corpus tokenizer train
+.PHONY: venv test lint serve bench bench-quick bench-graphs bench-gpu bench-neighbour bench-multiturn bench-small-batch bench-quality soak clean corpus tokenizer train
 
 venv: $(STAMP)
 
@@ -51,6 +51,10 @@ bench: $(STAMP)
 # Multi-turn conversations, 4x the device pool, hierarchical cache off then on (~3 min): docs/benchmarks/multiturn.json
 bench-multiturn: $(STAMP)
 	$(PY) -m bench.multiturn $(BENCH_ARGS)
+
+# The CPU decode step at 2-64 rows, with and without the weight-product rewrite in the batch-dynamic graph (~3 min)
+bench-small-batch: $(STAMP)
+	$(PY) -m bench.small_batch
 
 # Batch-1 decode quiet and beside a busy core, per thread setting (~5 min): docs/benchmarks/neighbour.json
 bench-neighbour: $(STAMP)

@@ -256,6 +256,11 @@ def midsize() -> dict:
             "fraction_of_roofline": round(roof_ms / step["step_ms"], 3)}
 
 
+def cpu_small_batch() -> dict:
+    subprocess.run([sys.executable, "-m", "bench.small_batch"], cwd=ROOT, check=True, timeout=500)
+    return json.loads((ROOT / "docs" / "benchmarks" / "small_batch.json").read_text())
+
+
 def main() -> None:
     results: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
                      "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
@@ -264,6 +269,8 @@ def main() -> None:
                      ("midsize", midsize), ("server", server)):
         if not only or name in only:
             section(results, name, fn)
+    if "cpu_small_batch" in only:  # (opt-in: the host's CPU, another kind, for bench/small_batch.py's A/B)
+        section(results, "cpu_small_batch", cpu_small_batch)
     off, srv = results.get("offline", {}), results.get("server", {})
     vs, mid = results.get("versus_transformers", {}), results.get("midsize", {})
     results["targets"] = {
