@@ -15,6 +15,7 @@ import re
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import httpx
@@ -73,8 +74,9 @@ async def conversations(url: str, a: argparse.Namespace) -> list[list[dict]]:
 
 
 async def alone(url: str, ids: list[int], out: int) -> float:
-    """Decode time per token with nothing else running: one request's median gap between two tokens. (The gaps in
-    the conversations also hold other requests' prefill steps, far more of them with the tier off.)"""
+    """Decode time per token with nothing else running: one request's median gap between two tokens (taken after
+    the conversations, the two servers in turn). (The gaps in the conversations also hold other requests' prefill
+    steps, far more of them with the tier off.)"""
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
         return statistics.median((await turn(client, ids, out))["gaps"])
 
@@ -83,14 +85,17 @@ def rss(pid: int) -> int:
     return int(re.search(r"VmRSS:\s+(\d+) kB", Path(f"/proc/{pid}/status").read_text()).group(1)) * 1024
 
 
-def serve(a: argparse.Namespace, tier: bool) -> dict:
-    flags = ["--model-path", MODEL, "--max-total-tokens", str(a.pool), "--max-running-requests", str(a.clients),
-             "--log-level", "warning", "--enable-metrics", "--dtype", "float32", "--device", "cpu",
-             "--cuda-graph-max-bs", str(a.clients)]  # (decode graphs as a server runs; the tests' servers run eager)
-    if tier:
-        flags += ["--enable-hierarchical-cache", "--hicache-size", str(a.hicache_gb), "--hicache-write-policy",
-                  a.policy]
-    with live_server(*flags, wait=600) as srv, srv.client() as c:
+def flags(a: argparse.Namespace, tier: bool) -> list[str]:
+    out = ["--model-path", MODEL, "--max-total-tokens", str(a.pool), "--max-running-requests", str(a.clients),
+           "--log-level", "warning", "--enable-metrics", "--dtype", "float32", "--device", "cpu",
+           "--cuda-graph-max-bs", str(a.clients)]  # (decode graphs as a server runs; the tests' servers run eager)
+    return out + (["--enable-hierarchical-cache", "--hicache-size", str(a.hicache_gb), "--hicache-write-policy",
+                   a.policy] if tier else [])
+
+
+def serve(a: argparse.Namespace, srv) -> dict:
+    """The conversations against one server (the other one idle)."""
+    with srv.client() as c:
         warm = [random.Random(1).randrange(5, 4000) for _ in range(300)]
         c.post("/generate", json={"input_ids": warm, "sampling_params": {"max_new_tokens": 4}})
         c.post("/flush_cache")
@@ -98,7 +103,6 @@ def serve(a: argparse.Namespace, tier: bool) -> dict:
         start = time.perf_counter()
         rounds = asyncio.run(conversations(srv.url, a))
         seconds = time.perf_counter() - start
-        decode = min(asyncio.run(alone(srv.url, list(range(5, 1029)), 64)) for _ in range(3))
         rss_growth = rss(srv.proc.pid) - rss_before
         pools, metrics = c.get("/pools").json(), c.get("/metrics").text
     turns = [t for r in rounds for t in r]
@@ -110,7 +114,7 @@ def serve(a: argparse.Namespace, tier: bool) -> dict:
         "round0_ttft_mean_s": statistics.mean(t["ttft"] for t in rounds[0]),
         "returning_ttft_mean_s": statistics.mean(t["ttft"] for t in returning),
         "returning_ttft_p90_s": percentile([t["ttft"] for t in returning], 90),
-        "decode_s_per_token": decode, "itl_median_s": statistics.median(g for t in turns for g in t["gaps"]),
+        "itl_median_s": statistics.median(g for t in turns for g in t["gaps"]),
         "itl_mean_s": statistics.mean(g for t in turns for g in t["gaps"]),
         "hit_rate_by_round": [sum(t["cached"] for t in r) / sum(t["prompt"] for t in r) for r in rounds],
         "ceiling_by_round": [sum(t["ceiling"] for t in r) / sum(t["prompt"] for t in r) for r in rounds],
@@ -175,7 +179,14 @@ def main() -> None:
     total = a.clients * a.rounds * (a.new + a.out)
     print(f"{a.clients} clients x {a.rounds} rounds x ({a.new} + {a.out}) tokens: {total} in all = "
           f"{total / a.pool:.1f}x the {a.pool}-token device pool; one conversation {total // a.clients}")
-    off, on = serve(a, tier=False), serve(a, tier=True)
+    with ExitStack() as stack:  # (both servers up; the idle one sleeps in a blocking wait)
+        servers = [stack.enter_context(live_server(*flags(a, tier), wait=600)) for tier in (False, True)]
+        off, on = serve(a, servers[0]), serve(a, servers[1])
+        alone_ms: list[list[float]] = [[], []]
+        for _ in range(4):  # (interleaved: the two servers' figures on the same machine states)
+            for i, srv in enumerate(servers):
+                alone_ms[i].append(asyncio.run(alone(srv.url, list(range(5, 1029)), 64)))
+        off["decode_s_per_token"], on["decode_s_per_token"] = min(alone_ms[0]), min(alone_ms[1])
     assert off.pop("outputs") == on.pop("outputs"), "tier on and off gave different greedy tokens"
     r = {k: ratio(on[k], off[k]) for k in ("returning_ttft_mean_s", "returning_ttft_p90_s", "round0_ttft_mean_s",
                                            "output_tok_s", "decode_s_per_token")}
