@@ -20,11 +20,10 @@ from pathlib import Path
 
 import httpx
 
+from bench.ours import make_engine, timed_generate
 from bench.timing import percentile, ratio
+from bench.workload import greedy
 from engine.runtime.engine import Engine
-from engine.runtime.engine_args import EngineArgs
-from engine.runtime.request import NewRequest
-from engine.runtime.sampling_params import SamplingParams
 from tests.engine_utils import forced_retraction as retracted_and_recomputed
 from tests.server_utils import live_server
 
@@ -126,16 +125,13 @@ def serve(a: argparse.Namespace, srv) -> dict:
 
 
 def engine(**kw) -> Engine:
-    return Engine(EngineArgs(model_path=MODEL, device="cpu", dtype="float32", disable_cuda_graph=True, **kw))
+    return make_engine(Path(MODEL), disable_cuda_graph=True, **kw)
 
 
 def first_token_s(e: Engine, ids: list[int]) -> tuple[float, int]:
     """Seconds from submission to the first token, offline; and the prompt tokens found cached."""
-    start = time.perf_counter()
-    e.add_requests([NewRequest(ids, SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0}))])
-    while e.has_work():
-        outs = e.step()
-    return time.perf_counter() - start, outs[0].cached_tokens
+    run = timed_generate(e, ids, 1, greedy)
+    return run.token_times[0] - run.start, run.cached_tokens
 
 
 def forced_retraction() -> dict:

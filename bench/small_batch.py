@@ -1,15 +1,14 @@
 """`python -m bench.small_batch`: the CPU decode step at a few rows, the batch-dynamic graph as it is (its weight
 products MKL's) against the same graph with graph_passes' matvec-as-reduction rewrite applied to it too (as the
-batch-1 graph has it), steps interleaved. The rewrite is not in the tree: on the AVX-512 AMD it gave 1.2-1.8x at 2-64
-rows (README, "Hierarchical KV cache"), and a CPU-only change needs a second kind of CPU; this measures it on any.
-Writes docs/benchmarks/small_batch.json (and $OUT/small_batch.json when OUT is set)."""
+batch-1 graph has it), their steps interleaved (bench/decode_graphs.py's `step_ms`). The rewrite is not in the
+tree: it was measured on one kind of CPU only (README, "Hierarchical KV cache"), and a CPU-only change needs a
+second; this measures it on any. Writes docs/benchmarks/small_batch.json (and $OUT/small_batch.json when OUT is
+set)."""
 
 from __future__ import annotations
 
 import json
 import os
-import random
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +24,11 @@ from torch._inductor.pattern_matcher import (
 )
 
 import engine.runtime.decode_graph as dg
+from bench.decode_graphs import step_ms
 from bench.machine import code_version
+from bench.ours import make_engine
 from engine.runtime import graph_passes
 from engine.runtime.engine import Engine
-from engine.runtime.engine_args import EngineArgs
-from engine.runtime.request import NewRequest
-from engine.runtime.sampling_params import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = (2, 4, 8, 16, 32, 64)
@@ -73,46 +71,23 @@ def build(rewrite: bool) -> Engine:
                                             dg.store_path(VERSION, model, pool), dg._marked)
 
     dg.DecodeGraphs.__init__ = patched
+    t = time.perf_counter()
     try:
-        e = Engine(EngineArgs(model_path=str(ROOT / "configs" / "tiny"), device="cpu", dtype="float32",
-                              max_total_tokens=16384, max_running_requests=max(ROWS), cuda_graph_bs=[1, *ROWS]))
+        e = make_engine(ROOT / "configs" / "tiny", disable_radix_cache=True, max_total_tokens=16384,
+                        max_running_requests=max(ROWS), cuda_graph_bs=[1, *ROWS])
     finally:
         dg.DecodeGraphs.__init__ = init
-    t = time.perf_counter()
-    e.warm_up()
-    print(f"{'rewritten' if rewrite else 'as it is'}: graphs ready in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"{'rewritten' if rewrite else 'as it is'}: ready in {time.perf_counter() - t:.0f} s", flush=True)
     return e
 
 
-def step_ms(e: Engine, rows: int, prompt: int = 128, steps: int = 30) -> float:
-    """Median decode step with `rows` requests decoding (prefill excluded)."""
-    rng = random.Random(rows)
-    e.add_requests([NewRequest([rng.randrange(5, 4000) for _ in range(prompt)], SamplingParams.from_dict(
-        {"max_new_tokens": steps + 3, "temperature": 0, "ignore_eos": True})) for _ in range(rows)])
-    e.step()
-    while e.stats().num_waiting:
-        e.step()
-    e.step()
-    times = []
-    while e.has_work():
-        t = time.perf_counter()
-        e.step()
-        times.append(time.perf_counter() - t)
-    e.flush_cache()
-    return statistics.median(times[:-1]) * 1e3
-
-
 def main() -> None:
-    engines = {False: build(False), True: build(True)}
+    engines = (build(False), build(True))
     out: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
                  "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "rows": {}}
     for rows in ROWS:
-        ms = {k: [] for k in engines}
-        for _ in range(2):  # (interleaved: each ratio on one machine state)
-            for rewrite, e in engines.items():
-                ms[rewrite].append(step_ms(e, rows))
-        base, new = min(ms[False]), min(ms[True])
+        base, new = step_ms(engines, rows)  # (the two engines' steps interleaved)
         out["rows"][rows] = {"as_it_is_ms": round(base, 2), "rewritten_ms": round(new, 2),
                              "speedup": round(base / new, 3)}
         print(f"{rows:3d} rows: {base:6.2f} -> {new:6.2f} ms ({base / new:.2f}x)", flush=True)

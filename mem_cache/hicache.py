@@ -51,7 +51,7 @@ class HostKVPool:
         pin = pool.device.type == "cuda"
         self.host = [torch.empty((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
         self.allocator = TokenSlotAllocator(size, keep_sorted=False)
-        self.bytes_per_token = sum(h[0].nbytes for h in self.host)
+        self.bytes_per_token = bytes_per_token(pool)
         layer_bytes = Counter()
         for (layer, *_), h in zip(self.buffers, self.host):
             layer_bytes[layer] += h[0].nbytes

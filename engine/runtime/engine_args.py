@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from mem_cache.hicache import WRITE_POLICIES
+
 
 @dataclass
 class EngineArgs:
@@ -43,7 +45,7 @@ class EngineArgs:
             raise ValueError(f"page_size must be 1 (paged KV slots are not supported by the scheduler yet), got {self.page_size}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        for name, value, allowed in (("hicache_write_policy", self.hicache_write_policy, ("write_through", "write_back")),
+        for name, value, allowed in (("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES),
                                      ("hicache_storage_backend", self.hicache_storage_backend, (None, "file"))):
             if value not in allowed:
                 raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
