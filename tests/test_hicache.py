@@ -225,6 +225,17 @@ def test_a_failed_step_caches_nothing_on_any_tier() -> None:
     assert engine.stats().cached_tokens == 0 == engine.stats().host_tier["used_tokens"] and engine.check_integrity()
 
 
+def test_the_host_tier_is_capped_at_half_the_memory_available(monkeypatch, caplog) -> None:
+    from engine.runtime import setup
+
+    monkeypatch.setattr(setup, "_available_bytes", lambda: 20 * 5248 * 1000)  # room for 10,000 tokens at half
+    with caplog.at_level(logging.WARNING, logger="engine.runtime.setup"):
+        engine = make_engine(max_total_tokens=SMALL * 4, enable_hierarchical_cache=True)  # the ratio asks 20,800
+    assert engine.stats().host_tier["size_tokens"] == 10_000 - 1 and "capped at 9999 tokens" in caplog.text
+    with pytest.raises(ValueError, match="more than half"):
+        make_engine(enable_hierarchical_cache=True, hicache_size=0.1)  # 100 MB > 52 MB
+
+
 def test_bad_tier_settings_are_refused() -> None:
     for bad, match in ((dict(hicache_write_policy="write_around"), "hicache_write_policy"),
                        (dict(hicache_storage_backend="s3"), "hicache_storage_backend"),
