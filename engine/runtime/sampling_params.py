@@ -173,11 +173,3 @@ class SamplingParams:
     def derive(self, **changes: Any) -> SamplingParams:
         """A copy with some fields replaced (e.g. `derive(n=1, sampling_seed=s + i)` for parallel samples)."""
         return replace(self, **changes)
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready copy of every field (`stop_token_ids` as a sorted list)."""
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(stop=list(self.stop), stop_regex=list(self.stop_regex), stop_token_ids=sorted(self.stop_token_ids))
-        for key in ("logit_bias", "custom_params"):
-            out[key] = None if out[key] is None else dict(out[key])
-        return out
