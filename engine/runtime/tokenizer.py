@@ -59,7 +59,6 @@ class Tokenizer:
         self.pad_token_id = self.token_to_id(self.pad_token)
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
-        self.model_max_length = cfg.get("model_max_length")
 
         gen_eos = gen.get("eos_token_id")
         eos_ids = {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or ())
@@ -97,9 +96,6 @@ class Tokenizer:
 
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        return self._tok.id_to_token(token_id)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (special-token strings map to their ids); BOS/EOS as tokenizer_config asks."""
@@ -150,17 +146,6 @@ class IncrementalDetokenizer:
         self._ids: list[int] = list(prompt_ids or ())
         self._read_offset = len(self._ids)
         self._prefix_offset = max(self._read_offset - _PREFIX_CONTEXT_TOKENS, 0)
-        self._chunks: list[str] = []
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far (prompt excluded)."""
-        return "".join(self._chunks)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Prompt ids followed by every id added so far."""
-        return list(self._ids)
 
     def _decode(self, start: int, end: int | None = None) -> str:
         return self.tokenizer.decode(self._ids[start:end], skip_special_tokens=self.skip_special_tokens)
@@ -175,7 +160,6 @@ class IncrementalDetokenizer:
         delta = full_text[len(prefix_text) :]
         self._prefix_offset = self._read_offset
         self._read_offset = len(self._ids)
-        self._chunks.append(delta)
         return delta
 
     def add(self, new_ids: list[int]) -> str:
