@@ -77,8 +77,7 @@ def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def load_or_warn(source: Path, instead: str,
-                 bind: Callable[[ctypes.CDLL], ctypes.CDLL] = lambda lib: lib) -> ctypes.CDLL | None:
+def load_or_warn(source: Path, instead: str, bind: Callable[[ctypes.CDLL], ctypes.CDLL]) -> ctypes.CDLL | None:
     """`bind(load(source))` (`bind` sets the functions' argument types), or None, with a warning saying what runs
     `instead`, where it cannot be built (no compiler, or a failed build)."""
     try:

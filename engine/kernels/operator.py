@@ -1,6 +1,6 @@
 """`operator`: a kernel's Python entry point registered as the torch operator `minimax::<name>`, which eager code
-and compiled graphs call alike (a graph calls it as it is, an opaque extern call; `fake` gives its output's shape, by default its first
-argument's).
+and compiled graphs call alike (a graph calls it as it is, an opaque extern call, its output shaped like its first
+argument).
 
 NOTE: defined through `torch.library.Library` (the function is the op's kernel for every backend), not through
 `torch.library.custom_op`, whose own layers (autograd, aliasing checks) cost ~13 us a call: 3 vs 16 us for a
@@ -18,12 +18,7 @@ Kernel = Callable[..., torch.Tensor]
 _LIBRARY = torch.library.Library("minimax", "DEF")  # (the operator namespace: one per process, as torch's own)
 
 
-def like_first(x: torch.Tensor, *args: object) -> torch.Tensor:
-    """The output of an op shaped like its first argument (the default `fake`)."""
-    return torch.empty_like(x)
-
-
-def operator(schema: str, fake: Kernel = like_first) -> Callable[[Kernel], Callable]:
+def operator(schema: str) -> Callable[[Kernel], Callable]:
     """Decorate a kernel's entry point with its schema, e.g. "moe_experts(Tensor x, float alpha) -> Tensor";
     the result is the operator (`torch.ops.minimax.<name>.default`)."""
     name = schema.split("(", 1)[0]
@@ -31,7 +26,7 @@ def operator(schema: str, fake: Kernel = like_first) -> Callable[[Kernel], Calla
     def register(fn: Kernel) -> Callable:
         _LIBRARY.define(schema)
         _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"minimax::{name}", fake, lib=_LIBRARY)
+        torch.library.register_fake(f"minimax::{name}", lambda x, *_: torch.empty_like(x), lib=_LIBRARY)
         op = getattr(torch.ops.minimax, name).default
         op.__doc__ = fn.__doc__
         return op

@@ -52,11 +52,6 @@ def block_rows(key_slots: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tenso
     return slots * h + torch.arange(h, device=blocks.device)[None, :, None], keep
 
 
-def additive(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A bool mask as an SDPA bias: 0 where kept, -inf elsewhere (NOTE: CPU SDPA converts a bool mask per call)."""
-    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, NEG_INF)
-
-
 @operator("paged_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor rows, Tensor keep, float scale) -> Tensor")
 def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
                     keep: torch.Tensor, scale: float) -> torch.Tensor:
@@ -74,11 +69,13 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
 
 def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """The keys and values gathered (copies), then SDPA (any device and dtype)."""
+    """The keys and values gathered (copies), then SDPA (any device and dtype), `keep` given as an additive bias
+    (NOTE: CPU SDPA converts a bool mask on every call)."""
     d = q.shape[-1]
     k = k_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
     v = v_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=additive(keep, q.dtype), scale=scale)
+    bias = torch.zeros(keep.shape, dtype=q.dtype, device=keep.device).masked_fill(~keep, NEG_INF)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
 
 def fits(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
