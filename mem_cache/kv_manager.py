@@ -18,15 +18,15 @@ from mem_cache.radix_cache import RadixCache, TreeNode
 
 class ReqToTokenPool:
     """A `[size, max_context_len]` int32 table, request slot (row) and position -> token slot: attention gathers a
-    request's K/V at `req_to_token[row, :seq_len]`. Rows come from a free list; `free` is all-or-nothing."""
+    request's K/V at `req_to_token[row, :seq_len]`. Rows come from a free list."""
 
     def __init__(self, size: int, max_context_len: int, device: str | torch.device = "cpu") -> None:
         if size <= 0 or max_context_len <= 0:
             raise ValueError(f"ReqToTokenPool needs size > 0 and max_context_len > 0, got {size} and {max_context_len}")
         self.size, self.max_context_len, self.device = size, max_context_len, torch.device(device)
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=self.device)
-        self._last: tuple[list, torch.Tensor] | None = None  # the last write's parts and flat index
-        self.clear()
+        self._free = list(range(size))
+        self._last_index: torch.Tensor | None = None  # the last write's flat index
 
     def available_size(self) -> int:
         return len(self._free)
@@ -34,57 +34,44 @@ class ReqToTokenPool:
     def used_size(self) -> int:
         return self.size - len(self._free)
 
-    def can_alloc(self, n: int) -> bool:
-        return 0 <= n <= len(self._free)
+    def alloc(self) -> int:
+        """Take a request slot. Raises `PoolExhaustedError` if none is free."""
+        if not self._free:
+            raise PoolExhaustedError(f"ReqToTokenPool: all {self.size} request slots are in use (raise "
+                                     "--max-running-requests or wait for requests to finish; ask available_size())")
+        return self._free.pop(0)
 
-    def alloc(self, n: int) -> list[int]:
-        """Take `n` request slots. Raises `PoolExhaustedError` if fewer than `n` are free."""
-        if n < 0:
-            raise ValueError(f"ReqToTokenPool.alloc: n must be >= 0, got {n}")
-        if n > len(self._free):
-            raise PoolExhaustedError(f"ReqToTokenPool: asked for {n} request slots but only {len(self._free)} of "
-                                     f"{self.size} are free (raise --max-running-requests or wait for requests to "
-                                     "finish; call can_alloc() first)")
-        taken, self._free = self._free[:n], self._free[n:]
-        return taken
+    def free(self, row: int) -> None:
+        """Return a request slot. Out of range or not allocated -> `ValueError`."""
+        if not 0 <= row < self.size:
+            raise ValueError(f"ReqToTokenPool.free: request slot {row} is out of range [0, {self.size})")
+        if row in self._free:
+            raise ValueError(f"ReqToTokenPool.free: request slot {row} is not allocated (double free?)")
+        self._free.append(row)
 
-    def free(self, idx: int | list[int]) -> None:
-        """Return request slots. Out-of-range, duplicate or not-allocated indices -> `ValueError`."""
-        indices, free = [idx] if isinstance(idx, int) else list(idx), set(self._free)
-        for i in indices:
-            if not 0 <= i < self.size:
-                raise ValueError(f"ReqToTokenPool.free: request slot {i} is out of range [0, {self.size})")
-            if i in free or indices.count(i) > 1:
-                raise ValueError(f"ReqToTokenPool.free: request slot {i} is not allocated (double free?)")
-        self._free.extend(indices)
-
-    def write(self, parts: Sequence[tuple[int, int, int]], slots: torch.Tensor) -> None:
+    def write(self, parts: Sequence[tuple[int, int, int]], slots: torch.Tensor, steady: bool = False) -> None:
         """For each (request slot, start, n) in turn, `req_to_token[row, start:start + n]` = the next n of `slots`.
-        NOTE: one scatter for all of them: a decode step's writes 15 / 32 / 56 us at 1 / 32 / 64 rows, against
+        `steady`: the last write's rows, each one position further (a decode step after one over the same requests):
+        its index is the last one plus one, on the device (no index built from a Python list: a host-to-device copy
+        a step). NOTE: one scatter for all parts: a decode step's writes 15 / 32 / 56 us at 1 / 32 / 64 rows, against
         10 / 250 / 640 us row by row (2 threads)."""
-        counts = [n for _, _, n in parts]
-        if sum(counts) != slots.numel():
-            raise ValueError(f"ReqToTokenPool.write: {slots.numel()} slots for {sum(counts)} positions")
-        for row, start, n in parts:
-            if not 0 <= row < self.size:
-                raise ValueError(f"ReqToTokenPool.write: request slot {row} is out of range [0, {self.size})")
-            if start < 0 or n < 0 or start + n > self.max_context_len:
-                raise ValueError(f"ReqToTokenPool.write: positions [{start}, {start + n}) exceed max_context_len "
-                                 f"{self.max_context_len}")
-        w, last = self.max_context_len, self._last
-        # NOTE: a decode step after one over the same rows writes each row's next position: the last index plus
-        # one, on the device (no index built from a Python list: a host-to-device copy a step)
-        steady = last is not None and len(parts) == len(last[0]) and all(
-            n == m == 1 and r == q and a == b + 1 for (r, a, n), (q, b, m) in zip(parts, last[0]))
-        flat = last[1] + 1 if steady else torch.tensor(
-            [row * w + p for row, start, n in parts for p in range(start, start + n)], dtype=torch.int64,
-            device=self.device)
-        self._last = (list(parts), flat)
-        self.req_to_token.view(-1).index_copy_(0, flat, slots.reshape(-1).to(self.req_to_token))
-
-    def clear(self) -> None:
-        """Free every request slot (table contents are left as they are; rows are rewritten on use)."""
-        self._free = list(range(self.size))
+        if steady:
+            index = self._last_index + 1
+        else:
+            counts = [n for _, _, n in parts]
+            if sum(counts) != slots.numel():
+                raise ValueError(f"ReqToTokenPool.write: {slots.numel()} slots for {sum(counts)} positions")
+            for row, start, n in parts:
+                if not 0 <= row < self.size:
+                    raise ValueError(f"ReqToTokenPool.write: request slot {row} is out of range [0, {self.size})")
+                if start < 0 or n < 0 or start + n > self.max_context_len:
+                    raise ValueError(f"ReqToTokenPool.write: positions [{start}, {start + n}) exceed max_context_len "
+                                     f"{self.max_context_len}")
+            w = self.max_context_len
+            index = torch.tensor([row * w + p for row, start, n in parts for p in range(start, start + n)],
+                                 dtype=torch.int64, device=self.device)
+        self._last_index = index
+        self.req_to_token.view(-1).index_copy_(0, index, slots.reshape(-1).to(self.req_to_token))
 
     def check_integrity(self) -> bool:
         """The free list holds distinct request slots in range (every other slot is in use)."""
@@ -150,7 +137,7 @@ class KVCacheManager:
         return self.allocator.available_size() + self.radix.evictable_size()
 
     def can_admit(self) -> bool:
-        return self.req_to_token.can_alloc(1)
+        return self.req_to_token.available_size() > 0
 
     def can_allocate(self, n: int) -> bool:
         return n <= self.room()
@@ -166,15 +153,14 @@ class KVCacheManager:
     def admit(self, prefix_ids: Sequence[int]) -> ReqKV:
         """A row for a new request and the longest cached prefix of `prefix_ids` (locked); the caller
         passes only the tokens it may take from the cache."""
-        row = self.req_to_token.alloc(1)[0]
+        row = self.req_to_token.alloc()
         slots, node = self.radix.match_prefix(prefix_ids)
         self.radix.inc_lock_ref(node)
         found = Counter(device=slots.numel())
         if self.hicache is not None:
             slots, node = self._load_back(list(prefix_ids), slots, node, found)
         found["miss"] = len(prefix_ids) - slots.numel()
-        if slots.numel():
-            self.req_to_token.write([(row, 0, slots.numel())], slots)
+        self.req_to_token.req_to_token[row, :slots.numel()] = slots  # (not `write`: that keeps a decode step's index)
         kv = ReqKV(row, node, int(slots.numel()), int(slots.numel()), found)
         self._live.add(kv)
         return kv
@@ -196,9 +182,9 @@ class KVCacheManager:
         self.hicache.unlock(host_node)
         return slots, node
 
-    def allocate(self, parts: Sequence[tuple[ReqKV, int]]) -> torch.Tensor:
+    def allocate(self, parts: Sequence[tuple[ReqKV, int]], steady: bool = False) -> torch.Tensor:
         """Give each request its next `n` slots (evicting if needed), written to its row after the ones it
-        has. Returns all new slots in order (the step's out_cache_loc)."""
+        has. Returns all new slots in order (the step's out_cache_loc). `steady`: see `ReqToTokenPool.write`."""
         total = sum(n for _, n in parts)
         if not self.can_allocate(total):
             raise PoolExhaustedError(f"KVCacheManager: {total} slots asked, {self.room()} free or evictable "
@@ -206,7 +192,7 @@ class KVCacheManager:
         if total > self.allocator.available_size():
             self.radix.evict(total - self.allocator.available_size())
         slots = self.allocator.alloc(total)
-        self.req_to_token.write([(kv.row, kv.num_computed, n) for kv, n in parts], slots)
+        self.req_to_token.write([(kv.row, kv.num_computed, n) for kv, n in parts], slots, steady)
         for kv, n in parts:
             kv.num_computed += n
         return slots

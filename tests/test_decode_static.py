@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from engine.model.layers import MoE
 from engine.model.loader import load_model
-from engine.runtime.model_runner import ModelRunner
+from engine.runtime.scheduler import Scheduler
 from tests.forward_utils import PagedModel
 
 
@@ -133,6 +133,12 @@ def test_carried_decode_inputs_give_the_tokens_built_ones_give(monkeypatch):
         return {rid: ids for rid, ids in out.items()}  # (rids are random: compare the values in order)
 
     carried = run()
-    monkeypatch.setattr(ModelRunner, "_carried", lambda self, batch: None)
+    decode = Scheduler._decode_batch
+
+    def never_steady(self):  # (no decode step follows a decode step it knows of: every input built again)
+        self._decoded = None
+        return decode(self)
+
+    monkeypatch.setattr(Scheduler, "_decode_batch", never_steady)
     built = run()
     assert sorted(map(tuple, carried.values())) == sorted(map(tuple, built.values())) and len(carried) == 12

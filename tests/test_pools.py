@@ -312,15 +312,20 @@ def test_req_to_token_pool() -> None:
     rp = ReqToTokenPool(4, 16)
     assert rp.req_to_token.shape == (4, 16) and rp.req_to_token.dtype == torch.int32
     assert not bool(rp.req_to_token.any())
-    a = rp.alloc(3)
-    assert len(set(a)) == 3 and rp.available_size() == 1 and rp.can_alloc(1) and not rp.can_alloc(2)
+    a = [rp.alloc() for _ in range(3)]
+    assert len(set(a)) == 3 and rp.available_size() == 1
+    last = rp.alloc()
     with pytest.raises(PoolExhaustedError):
-        rp.alloc(2)
+        rp.alloc()
+    rp.free(last)
     rp.write([(a[1], 2, 3)], torch.tensor([7, 8, 9]))
     assert rp.req_to_token[a[1], :6].tolist() == [0, 0, 7, 8, 9, 0]
     rp.write([(a[2], 4, 2), (a[1], 5, 0), (a[0], 0, 1), (a[1], 6, 3)], torch.tensor([1, 2, 3, 4, 5, 6]))
     expect = {a[0]: [3] + [0] * 9, a[1]: [0, 0, 7, 8, 9, 0, 4, 5, 6, 0], a[2]: [0, 0, 0, 0, 1, 2, 0, 0, 0, 0]}
     assert {r: rp.req_to_token[r, :10].tolist() for r in a} == expect  # each part at its row and positions
+    rp.write([(a[0], 1, 1), (a[2], 6, 1)], torch.tensor([10, 11]))
+    rp.write([(a[0], 2, 1), (a[2], 7, 1)], torch.tensor([12, 13]), steady=True)  # the last index, one further
+    assert rp.req_to_token[a[0], :3].tolist() == [3, 10, 12] and rp.req_to_token[a[2], 6:8].tolist() == [11, 13]
     with pytest.raises(ValueError, match="max_context_len"):
         rp.write([(a[1], 15, 2)], torch.tensor([1, 2]))
     with pytest.raises(ValueError, match="2 slots for 3 positions"):
@@ -329,18 +334,16 @@ def test_req_to_token_pool() -> None:
     with pytest.raises(ValueError, match="double free"):
         rp.free(a[0])
     with pytest.raises(ValueError, match="out of range"):
-        rp.free([a[1], 9])
-    assert rp.available_size() == 2 and rp.check_integrity()  # the failed free changed nothing
+        rp.free(9)
+    assert rp.available_size() == 2 and rp.check_integrity()  # the failed frees changed nothing
     rng = random.Random(7)
     live = a[1:]
     for _ in range(2000):
-        if live and (rng.random() < 0.5 or not rp.can_alloc(1)):
+        if live and (rng.random() < 0.5 or not rp.available_size()):
             rp.free(live.pop(rng.randrange(len(live))))
         else:
-            live += rp.alloc(rng.randint(1, rp.available_size()))
+            live.append(rp.alloc())
         assert rp.check_integrity() and rp.used_size() == len(live)
-    rp.clear()
-    assert rp.available_size() == 4 and rp.check_integrity()
 
 
 def test_mem_cache_imports_no_engine_or_server() -> None:

@@ -162,9 +162,9 @@ class Engine:
             if plan.targets or plan.null_first:
                 record_prompt(req, plan, logits)  # reported with the request's next output
         if sampling:
-            self._sample([r for r, _ in sampling], take_rows(logits, [i for _, i in sampling]))
+            self._sample([r for r, _ in sampling], take_rows(logits, [i for _, i in sampling]), batch.steady)
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, steady: bool) -> None:
         for r in (r for r in reqs if r.params.max_new_tokens == 0):
             self._end(r, {"type": "length", "length": 0})
         live = [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]
@@ -173,8 +173,8 @@ class Engine:
         reqs, logits = [reqs[i] for i in live], take_rows(logits, live)
         suppress = [r.stop.suppressed(len(r.output_ids)) for r in reqs]
         tokens = self._sampler.sample(logits, [r.params for r in reqs], [r.output_ids for r in reqs],
-                                      [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress)
-        self._runner.sampled(reqs, tokens)
+                                      [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress, steady)
+        self._runner.sampled(tokens)
         tokens = tokens.tolist()  # (the step's one device-to-host copy)
         for req, row, tok in zip(reqs, logits, tokens):
             try:

@@ -33,8 +33,8 @@ class ModelRunner:
         self.min_keys = -(-least // KEY_BUCKET) * KEY_BUCKET
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
         self.graphs = DecodeGraphs(model, pool, buckets, self.device, self.min_keys, max_keys)
-        self._last: tuple | None = None  # the last decode step's (reqs, prefix_lens, rows, positions)
-        self._tokens: tuple | None = None  # the last sampled (reqs, tokens)
+        self._last: tuple | None = None  # the last decode step's (rows, positions)
+        self._tokens: torch.Tensor | None = None  # the tokens sampled last
 
     def captured_batch_sizes(self) -> tuple[int, ...]:
         return self.graphs.ready()
@@ -57,31 +57,19 @@ class ModelRunner:
     def decode_batch(self, batch: ScheduledBatch, table: torch.Tensor) -> DecodeBatch:
         """The step's fixed-shape inputs; keys padded to the graphs' key bucket (padding is masked)."""
         n, dev = self.graphs.key_width(max(batch.prefix_lens) + 1), self.device
-        carried = self._carried(batch)
-        if carried is None:
+        if batch.steady:  # NOTE: the last step's tensors, advanced on the device: none built from a Python list (each
+            (rows, pos), ids = self._last, self._tokens  # a host-to-device copy; on CUDA copies and syncs cost most)
+            pos = pos + 1
+        else:
             rows, ids, pos = (torch.tensor(x, dtype=torch.int64, device=dev) for x in
                               (batch.rows, [x[0] for x in batch.new_ids], batch.prefix_lens))
-        else:
-            rows, ids, pos = carried
-        self._last = (batch.reqs, batch.prefix_lens, rows, pos)
+        self._last = (rows, pos)
         keys = F.pad(table[rows, :n], (0, n - min(n, table.shape[1])))  # (past the table: padding keys, masked)
         return DecodeBatch(ids, pos, batch.out_cache_loc.to(dev, torch.int64), keys.to(torch.int64))
 
-    def sampled(self, reqs: list, tokens: torch.Tensor) -> None:
-        """The tokens just sampled for `reqs` (on the device): the next decode step's inputs if it is theirs."""
-        self._tokens = (reqs, tokens)
-
-    def _carried(self, batch: ScheduledBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(rows, input ids, positions) of a step that is the last decode step's requests, each one token further,
-        fed the tokens sampled for them: last step's tensors advanced on the device, none built from Python lists
-        (NOTE: each such tensor is a host-to-device copy a step; on CUDA, where copies and syncs cost the most)."""
-        if self._last is None or self._tokens is None:
-            return None
-        (reqs, lens, rows, pos), (sampled_for, tokens) = self._last, self._tokens
-        same = (len(reqs) == len(batch.reqs) == len(sampled_for) and all(a is b for a, b in zip(reqs, batch.reqs))
-                and all(a is b for a, b in zip(sampled_for, batch.reqs))
-                and all(p == q + 1 for p, q in zip(batch.prefix_lens, lens)))
-        return (rows, tokens, pos + 1) if same else None
+    def sampled(self, tokens: torch.Tensor) -> None:
+        """The tokens just sampled for the last batch (on the device): the next decode step's inputs if it is steady."""
+        self._tokens = tokens
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

@@ -35,13 +35,12 @@ def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.
 
 class Sampler:
     """Batched sampler over raw model logits; see the module docstring for semantics. Its state is the last call's
-    requests and per-row tensors, carried on the device when the next call is the same requests one token further
-    (steady decode): the settings, the draw's keys, the penalties' token counts (the last sampled tokens added in
-    place), so such a call builds no tensor from Python lists (each a host-to-device copy, a step)."""
+    per-row tensors, carried on the device when the caller says the next call is the same requests one token further
+    (`carried`, a steady decode step): the settings, the draw's keys, the penalties' token counts (the last sampled
+    tokens added in place), so such a call builds no tensor from Python lists (each a host-to-device copy, a step)."""
 
     def __init__(self) -> None:
-        self._last: tuple | None = None  # the last call's (params, seeds, positions)
-        self._state: dict[str, torch.Tensor] = {}  # its per-row tensors and the tokens it sampled
+        self._state: dict[str, torch.Tensor] = {}  # the last call's per-row tensors and the tokens it sampled
 
     def process_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],
@@ -107,14 +106,14 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int],
-               suppress: Sequence[set[int] | frozenset[int] | None] | None = None) -> torch.Tensor:
+               suppress: Sequence[set[int] | frozenset[int] | None] | None = None,
+               carried: bool = False) -> torch.Tensor:
         """One token per row of raw logits [B, V] (int64 [B], on their device). Row i's draw is keyed by
-        (seeds[i], the position it fills: len(prompt_ids[i]) + len(output_ids[i]))."""
+        (seeds[i], the position it fills: len(prompt_ids[i]) + len(output_ids[i])). `carried`: the requests of the
+        last call, in its order, each fed the token it sampled."""
         if len(seeds) != logits.shape[0]:
             raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(seeds)} seeds")
-        positions, last, st = [len(a) + len(b) for a, b in zip(prompt_ids, output_ids)], self._last, self._state
-        carried = (last is not None and len(last[0]) == len(params) and all(a is b for a, b in zip(last[0], params))
-                   and last[1] == list(seeds) and all(p == q + 1 for p, q in zip(positions, last[2])))
+        st = self._state
         x = self.process_logits(logits, params, output_ids, prompt_ids, suppress, carried)
         if all(p.is_greedy for p in params):
             tokens = _argmax(x)
@@ -124,12 +123,13 @@ class Sampler:
                 st["keys"][:, 1] += 1
             else:
                 st["settings"] = settings(params, x.shape[1], x.device)
-                st["keys"] = torch.tensor([[_int64(s), n, p.is_greedy] for s, n, p in zip(seeds, positions, params)],
+                st["keys"] = torch.tensor([[_int64(s), len(a) + len(b), p.is_greedy]
+                                           for s, a, b, p in zip(seeds, prompt_ids, output_ids, params)],
                                           dtype=torch.int64, device=x.device)
             keys = st["keys"]
             race = self.filtered_probs(x, params, st["settings"]) / exponential_noise(keys[:, 0], keys[:, 1], x.shape[1])
             tokens = torch.where(keys[:, 2] > 0, _argmax(x), _argmax(race))
-        self._last, st["tokens"] = (list(params), list(seeds), positions), tokens
+        st["tokens"] = tokens
         return tokens
 
 

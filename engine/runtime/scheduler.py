@@ -21,6 +21,9 @@ class ScheduledBatch:
     prefix_lens: list[int]
     new_ids: list[list[int]]
     out_cache_loc: Any  # the new tokens' slots, in order (a tensor the manager allocated)
+    # a decode step of the last step's requests (that one a decode step too), in the same order, each one token
+    # further: the table writes, the decode inputs and the sampler's state carry over on the device
+    steady: bool = False
 
     def __post_init__(self) -> None:
         assert len(self.rows) == len(self.prefix_lens) == len(self.new_ids) and all(self.new_ids)
@@ -32,6 +35,7 @@ class Scheduler:
         self.kv, self.max_running, self.chunk = kv, max_running_requests, chunked_prefill_size
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
+        self._decoded: list[Req] | None = None  # the last batch's requests, if it was a decode step
 
     def add(self, req: Req) -> None:
         self.waiting.append(req)
@@ -102,7 +106,7 @@ class Scheduler:
             budget -= n
         if not chosen:
             return None
-        batch = self._build(chosen)
+        batch, self._decoded = self._build(chosen), None
         for req in batch.reqs:
             if req.remaining_prefill() == 0:
                 self.waiting.remove(req)
@@ -115,13 +119,15 @@ class Scheduler:
         if not self.running:
             return None
         # NOTE: rows sorted by length, so a length-bucketed attention pads little
-        return self._build([(r, 1) for r in sorted(self.running, key=lambda r: r.num_computed)])
+        reqs = sorted(self.running, key=lambda r: r.num_computed)
+        steady, self._decoded = reqs == self._decoded, reqs
+        return self._build([(r, 1) for r in reqs], steady)
 
-    def _build(self, chosen: list[tuple[Req, int]]) -> ScheduledBatch:
+    def _build(self, chosen: list[tuple[Req, int]], steady: bool = False) -> ScheduledBatch:
         prefix = [r.num_computed for r, _ in chosen]
         new_ids = [r.ids(p, p + n) for (r, n), p in zip(chosen, prefix)]
-        out = self.kv.allocate([(r.kv, n) for r, n in chosen])
-        return ScheduledBatch([r for r, _ in chosen], [r.kv.row for r, _ in chosen], prefix, new_ids, out)
+        out = self.kv.allocate([(r.kv, n) for r, n in chosen], steady)
+        return ScheduledBatch([r for r, _ in chosen], [r.kv.row for r, _ in chosen], prefix, new_ids, out, steady)
 
     def check_integrity(self) -> bool:
         """The manager's invariants, and every request holding KV is a queued one."""
