@@ -1,6 +1,6 @@
-"""`operator`: a kernel's Python entry point registered as the torch operator `minimax::<name>`, which eager code
-and compiled graphs call alike (a graph calls it as it is, an opaque extern call, its output shaped like its first
-argument).
+"""`operator`: a kernel's Python entry point registered as the torch operator `minimax::<name>`, which eager
+code and compiled graphs call alike (a graph calls it as it is, an opaque extern call, its output shaped like
+its first argument).
 
 NOTE: defined through `torch.library.Library` (the function is the op's kernel for every backend), not through
 `torch.library.custom_op`, whose own layers (autograd, aliasing checks) cost ~13 us a call: 3 vs 16 us for a
