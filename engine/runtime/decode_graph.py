@@ -59,7 +59,6 @@ class DecodeGraphs:
                  device: torch.device, min_keys: int, max_keys: int) -> None:
         self.model, self.pool, self.buckets, self.device, self.min_keys = model, pool, buckets, device, min_keys
         self._compiled: set[int] = set()
-        self._eager_logged = False
         self.eager_steps, self._compiles_at_warm_up = 0, _compiles()  # (steps past the graphs; dynamo's graphs)
         self.key_buckets = ()
         if not buckets:
@@ -125,7 +124,7 @@ class DecodeGraphs:
             return
         order, child = self.buckets, None
         if (compile_beside is not None and self.buckets[:1] == (1,)
-                and len(self.buckets) > 1 and not self._one.exists() and not self._many.exists()):
+                and len(self.buckets) > 1 and not self._one.path.exists() and not self._many.path.exists()):
             order, child = self.buckets[1:] + (1,), compile_beside((1,))
         for i, b in enumerate(order):
             t = time.perf_counter()
@@ -159,8 +158,7 @@ class DecodeGraphs:
         cuda = self.device.type == "cuda"
         if b is None or b not in self._compiled or (cuda and (b, keys) not in self._cuda.graphs):
             self.eager_steps += bool(self._compiled)
-            if not self._eager_logged and self._compiled:
-                self._eager_logged = True
+            if self.eager_steps == 1:
                 logger.info("a decode step of %d rows x %d keys is past the captured graphs: it runs eager (this "
                             "is said once)", rows, keys)
             with torch.no_grad():

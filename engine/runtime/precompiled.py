@@ -67,9 +67,6 @@ class PrecompiledStep:
         self._fn: Any = None
         self._verdicts: dict[tuple, bool] = {}  # _signature(batch) -> the guards' verdict
 
-    def exists(self) -> bool:
-        return self.path.exists()
-
     def prepared(self) -> bool:
         return self._fn is not None
 
