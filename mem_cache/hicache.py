@@ -51,13 +51,7 @@ class HostKVPool:
         pin = pool.device.type == "cuda"
         self.host = [torch.empty((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
         self.allocator = TokenSlotAllocator(size, keep_sorted=False)
-        self.bytes_per_token = bytes_per_token(pool)
-        layer_bytes = Counter()
-        for (layer, *_), h in zip(self.buffers, self.host):
-            layer_bytes[layer] += h[0].nbytes
-        self.bytes_per_token_by_kind: dict[str, int] = {}
-        for layer in sorted(layer_bytes):
-            self.bytes_per_token_by_kind.setdefault(pool.layer_kind(layer), layer_bytes[layer])
+        self.bytes_per_token, self.bytes_per_token_by_kind = bytes_per_token(pool), pool.bytes_per_token_by_kind()
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         for (*_, d), h in zip(self.buffers, self.host):

@@ -46,9 +46,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
 
         self.index_kv_pool = index_pool(MHATokenToKVPool, self.index_kv_layer_ids, "index_kv_pool")
         self.index_k_pool = index_pool(MHATokenToKOnlyPool, self.index_k_layer_ids, "index_k_pool")
-        # Global -> local layer id maps of the index sub-pools (main pool: local == global).
-        self.index_kv_local = {g: i for i, g in enumerate(self.index_kv_layer_ids)}
-        self.index_k_local = {g: i for i, g in enumerate(self.index_k_layer_ids)}
         # NOTE: _routes is the single source of truth for "which buffer of which layer lives where";
         # every accessor and every introspection answer goes through it.
         self._routes = [self._build_routes(i) for i in range(self.num_layers)]
@@ -58,10 +55,10 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         routes: dict[str, BufferLocation | None] = dict.fromkeys(BUFFER_NAMES)
         routes["key"] = routes["value"] = BufferLocation(self.main_pool, layer_id)
         if kind == SPARSE_INDEX_KV and self.index_kv_pool is not None:
-            loc = BufferLocation(self.index_kv_pool, self.index_kv_local[layer_id])
+            loc = BufferLocation(self.index_kv_pool, self.index_kv_layer_ids.index(layer_id))
             routes["index_key"] = routes["index_value"] = loc
         elif kind == SPARSE_K_ONLY and self.index_k_pool is not None:
-            routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_local[layer_id])
+            routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_layer_ids.index(layer_id))
         return routes
 
     # ---- main K/V: every layer (the main pool's local ids are the global ids) ----------------------

@@ -85,7 +85,8 @@ def test_layer_kinds_buffers_and_locations(pool: MiniMaxSparseKVPool) -> None:
             assert info["locations"]["index_value"] == info["locations"]["index_key"]
         else:
             assert info["locations"]["index_value"] is None and info["shapes"]["index_value"] is None
-    assert pool.index_kv_local == {2: 0, 4: 1, 6: 2} and pool.index_k_local == {3: 0, 5: 1, 7: 2}
+    local = {i: pool.buffer_location(i, "index_key").local_layer_id for i in range(2, 8)}
+    assert local == {2: 0, 4: 1, 6: 2, 3: 0, 5: 1, 7: 2}
     assert json.loads(json.dumps(pool.layers_info())) == pool.layers_info()
     assert pool.layer_info(3)["bytes_per_token"] == 640  # the http_api.md §6 example
 
