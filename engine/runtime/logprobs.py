@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.runtime.request import Entry, Req
+from engine.runtime.request import Entry, Logprobs, Req
 
 
 def logprob_entries(logits: torch.Tensor, targets: list[int], top_n: int, ids: list[int] | None
@@ -54,25 +54,19 @@ def plan_prompt_rows(req: Req, prefix: int, n: int, offset: int, rows: list[int]
 
 
 def record_prompt(req: Req, plan: PromptRows, logits: torch.Tensor) -> None:
-    out = req.pending
     if plan.null_first:
-        out.input_token.append((None, req.prompt_ids[0]))
-        out.input_top.append(None)
-        out.input_ids.append(None)
-        out.input_rank.append(None)
+        req.pending.extend(Logprobs(input_token=[(None, req.prompt_ids[0])], input_top=[None],
+                                    input_ids=[None], input_rank=[None]))
     if plan.targets:
         rows = logits[plan.first:plan.first + len(plan.targets)]
         tok, top, ids, ranks = logprob_entries(rows, plan.targets, req.logprob.top_logprobs_num,
                                                req.logprob.token_ids_logprob)
-        out.input_rank.extend(ranks)
-        out.input_token.extend(tok)
-        out.input_top.extend(top or [None] * len(tok))
-        out.input_ids.extend(ids or [None] * len(tok))
+        none = [None] * len(tok)
+        req.pending.extend(Logprobs(input_token=tok, input_top=top or none, input_ids=ids or none,
+                                    input_rank=ranks))
 
 
 def record_output(req: Req, row: torch.Tensor, token: int) -> None:
     lp = req.logprob
     tok, top, ids, _ = logprob_entries(row[None], [token], lp.top_logprobs_num, lp.token_ids_logprob)
-    req.pending.output_token.extend(tok)
-    req.pending.output_top.extend(top or [])
-    req.pending.output_ids.extend(ids or [])
+    req.pending.extend(Logprobs(output_token=tok, output_top=top or [], output_ids=ids or []))
