@@ -36,9 +36,8 @@ class Segment:
             self._bias[dtype] = full.triu_(self.first_pos + 1)
         return self._bias[dtype]
 
-    def q_pos(self, a: int = 0, b: int | None = None) -> torch.Tensor:
+    def q_pos(self, a: int, b: int) -> torch.Tensor:
         """Positions of queries a..b-1 of the segment, [1, b - a]."""
-        b = self.queries if b is None else b
         return torch.arange(self.first_pos + a, self.first_pos + b, device=self.slots.device)[None]
 
 
