@@ -56,7 +56,6 @@ class Tokenizer:
         if self.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
             self.bos_token_id = gen["bos_token_id"]
         self.eos_token_id = self.token_to_id(self.eos_token)
-        self.pad_token_id = self.token_to_id(self.pad_token)
         self.add_bos_token = bool(cfg.get("add_bos_token", False))
         self.add_eos_token = bool(cfg.get("add_eos_token", False))
 
@@ -67,10 +66,6 @@ class Tokenizer:
         elif eos_ids:
             self.eos_token_id = min(eos_ids)
         self.eos_token_ids: set[int] = eos_ids
-
-        specials = {i for i, tok in hf_tokenizer.get_added_tokens_decoder().items() if tok.special}
-        specials.update(i for i in (self.bos_token_id, self.pad_token_id) if i is not None)
-        self.special_token_ids: set[int] = specials | eos_ids
 
         template = chat_template if chat_template is not None else cfg.get("chat_template")
         if isinstance(template, list):  # HF multi-template form: [{"name": ..., "template": ...}]
