@@ -5,15 +5,13 @@ submits; `respond` streams or collects."""
 from __future__ import annotations
 
 import time
-from functools import partial
 from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.runtime.tokenizer import Tokenizer
-from server.errors import sse_error
 from server.openai_format import (
     AssistantMessage,
     ChatChoice,
@@ -30,7 +28,7 @@ from server.openai_format import (
     usage_of,
 )
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
-from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sse_frames
+from server.submission import Submission, respond
 
 
 def _sse(model: BaseModel, drop: Any = None) -> str:
@@ -38,7 +36,6 @@ def _sse(model: BaseModel, drop: Any = None) -> str:
 
 
 class _Shaper:
-    route = ""
     chunk_type: type[BaseModel]  # the stream's frame (its usage-only tail too)
 
     def __init__(self, sub: Submission, req: Any, tok: Tokenizer, prompts: list[list[int]], cache_report: bool) -> None:
@@ -46,8 +43,8 @@ class _Shaper:
         self.prompt_lens, self.n = [len(p) for p in prompts], req.n or 1
         self.head = {"id": sub.id, "created": int(time.time()), "model": req.model}
 
-    def usage(self, joined: list | None = None) -> Any:
-        return usage_of(self.prompt_lens, self.sub.joined if joined is None else joined, self.n, self.cache_report)
+    def usage(self) -> Any:
+        return usage_of(self.prompt_lens, self.sub.joined, self.n, self.cache_report)
 
     def head_frames(self) -> tuple[str, ...]:
         return ()
@@ -62,19 +59,12 @@ class _Shaper:
             yield _sse(self.chunk_type(**self.head, choices=[], usage=self.usage()), {"metadata"})
 
     async def respond(self, request: Request) -> Response:
-        """Stream the frames, or collect every sequence (a client gone first: 499, logged only)."""
-        if self.req.stream:
-            error = partial(sse_error, self.route)
-            return SSEResponse(sse_frames(self.sub, self.frame, error, self.head_frames(), self.tail), self.sub)
-        try:
-            joined = await self.sub.collect(request)
-        except ClientGone:
-            return Response(status_code=CLIENT_CLOSED)
-        return JSONResponse(self.response(joined).model_dump(mode="json"))
+        return await respond(self.sub, request, bool(self.req.stream), self.frame, self.response,
+                             self.head_frames, self.tail)
 
 
 class CompletionShaper(_Shaper):
-    route, chunk_type = "/v1/completions", CompletionResponse
+    chunk_type = CompletionResponse
 
     def __init__(self, sub: Submission, req: CompletionRequest, tok: Tokenizer, prompts: list[list[int]],
                  given: list[Any], cache_report: bool) -> None:
@@ -100,14 +90,14 @@ class CompletionShaper(_Shaper):
         # vLLM's prompt_logprobs key, in a stream only where asked
         return self.chunk(c, {"choices": {0: {"prompt_logprobs"}}} if c.prompt_logprobs is None else None)
 
-    def response(self, joined: list) -> CompletionResponse:
+    def response(self, joined: list) -> dict[str, Any]:
         choices = [self.choice(i, (self.texts[i // self.n] if self.echo else "") + j.text, j.logprobs,
                                j.last.finish_reason, j) for i, j in enumerate(joined)]
-        return CompletionResponse(**self.head, choices=choices, usage=self.usage(joined))
+        return CompletionResponse(**self.head, choices=choices, usage=self.usage()).model_dump(mode="json")
 
 
 class ChatShaper(_Shaper):
-    route, chunk_type = "/v1/chat/completions", ChatCompletionChunk
+    chunk_type = ChatCompletionChunk
     req: ChatCompletionRequest
 
     def head_frames(self) -> tuple[str, ...]:
@@ -128,11 +118,12 @@ class ChatShaper(_Shaper):
             lines.append(self.chunk(ChatStreamChoice(index=i, delta={}, **ends)))
         return "".join(lines) or None
 
-    def response(self, joined: list) -> ChatCompletionResponse:
+    def response(self, joined: list) -> dict[str, Any]:
         choices = []
         for i, j in enumerate(joined):
             lp = ChoiceLogprobs(content=chat_logprobs(self.tok, j.logprobs)) if self.req.logprobs and j.logprobs else None
             choices.append(ChatChoice(index=i, message=AssistantMessage(content=j.text), logprobs=lp,
                                       **finish_fields(j.last.finish_reason)))
-        return ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(joined),
-                                      prompt_logprobs=prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs))
+        plp = prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs)
+        resp = ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(), prompt_logprobs=plp)
+        return resp.model_dump(mode="json")

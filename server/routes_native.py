@@ -9,22 +9,20 @@ import logging
 import math
 import time
 import uuid
-from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.responses import PlainTextResponse, Response
 
 from engine.runtime.request import JoinedOutput, LogprobOptions, Logprobs, NewRequest, RequestOutput
 from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.tokenizer import Tokenizer
 from server.async_engine import merge
-from server.errors import BadRequest, sse_error
+from server.errors import BadRequest
 from server.protocol import AbortReq, GenerateReqInput
 from server.routes_admin import router as admin_router
 from server.state import server_state
-from server.submission import CLIENT_CLOSED, ClientGone, SSEResponse, Submission, sampling_params, sse_frames
+from server.submission import Submission, respond, sampling_params
 
 logger = logging.getLogger(__name__)
 router = APIRouter()
@@ -32,14 +30,6 @@ router.include_router(admin_router)
 
 FLUSH_NOTE = ("\nPlease check backend logs for more details. (When there are running or waiting requests, the "
               "operation will not be performed.)\n")
-
-
-@dataclass
-class GenPlan:
-    reqs: list[NewRequest]
-    single: bool  # one prompt given as a scalar and n == 1: the response is an object, not a list
-    stream: bool
-    text_in_logprobs: bool
 
 
 def _prompts(req: GenerateReqInput, tok: Tokenizer | None) -> tuple[list[list[int]], bool]:
@@ -86,8 +76,10 @@ def _rids(rid: str | list[str] | None, k: int, single: bool) -> list[str]:
     return list(rid)
 
 
-def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None) -> GenPlan:
-    """The engine requests of a /generate body; raises BadRequest for shape and batch errors."""
+def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None
+                  ) -> tuple[list[NewRequest], bool]:
+    """The engine requests of a /generate body, and whether the response is one object, not a list (one prompt
+    given as a scalar, n == 1); raises BadRequest for shape and batch errors."""
     prompts, scalar = _prompts(req, tok)
     k = len(prompts)
     if k == 0:
@@ -107,18 +99,18 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
     lps = [LogprobOptions(True, start[i], top[i], list(ids[i]) if ids[i] else None) if ret[i] else LogprobOptions()
            for i in range(k)]
     reqs = [NewRequest(prompt, params[i], lps[i], rids[i]) for i, prompt in enumerate(prompts)]
-    return GenPlan(reqs, scalar and n == 1, bool(req.stream), bool(req.return_text_in_logprobs))
+    return reqs, scalar and n == 1
 
 
 class NativeShaper:
     """Response bodies and stream frames of one /generate call's sequences."""
 
-    def __init__(self, plan: GenPlan, tok: Tokenizer | None, incremental: bool, started: float) -> None:
-        self.tok, self.incremental, self.started = tok, incremental, started
-        self.text_in_logprobs = plan.text_in_logprobs and tok is not None
-        self.opts = [r.logprob for r in plan.reqs for _ in range(r.params.n)]
-        self.interval = [max(1, r.params.stream_interval or 1) for r in plan.reqs for _ in range(r.params.n)]
-        self.multi = not plan.single
+    def __init__(self, sub: Submission, reqs: list[NewRequest], single: bool, tok: Tokenizer | None,
+                 text_in_logprobs: bool, incremental: bool) -> None:
+        self.sub, self.single, self.tok, self.incremental = sub, single, tok, incremental
+        self.text_in_logprobs = text_in_logprobs and tok is not None
+        self.opts = [r.logprob for r in reqs for _ in range(r.params.n)]
+        self.interval = [max(1, r.params.stream_interval or 1) for r in reqs for _ in range(r.params.n)]
         self._sent = [0] * len(self.opts)  # completion tokens at each sequence's last frame
         self._pending: dict[int, RequestOutput] = {}  # deltas not sent yet (stream_interval, incremental)
         self._texts: dict[int, str] = {}
@@ -127,7 +119,11 @@ class NativeShaper:
         """The whole result so far (the non-stream response; a cumulative stream frame)."""
         return self._shape(i, res.last, res.text, res.output_ids, res.logprobs)
 
-    def frame(self, i: int, out: RequestOutput, res: JoinedOutput) -> dict[str, Any] | None:
+    def response(self, joined: list[JoinedOutput]) -> Any:
+        bodies = [self.body(i, res) for i, res in enumerate(joined)]
+        return bodies[0] if self.single else bodies
+
+    def frame(self, i: int, out: RequestOutput) -> str | None:
         """The stream frame for sequence i's new output, or None while stream_interval holds it."""
         if i in self._pending:
             out = merge(self._pending.pop(i), out)
@@ -135,10 +131,13 @@ class NativeShaper:
             self._pending[i] = out
             return None
         self._sent[i] = out.completion_tokens
-        body = self._shape(i, out, out.new_text, out.new_ids, out.logprobs) if self.incremental else self.body(i, res)
-        if self.multi:
+        if self.incremental:
+            body = self._shape(i, out, out.new_text, out.new_ids, out.logprobs)
+        else:
+            body = self.body(i, self.sub.joined[i])
+        if not self.single:
             body["index"] = i
-        return body
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     def _shape(self, i: int, out: RequestOutput, text: str, ids: list[int], lp: Logprobs | None) -> dict[str, Any]:
         meta: dict[str, Any] = {"id": out.rid, "finish_reason": out.finish_reason if out.finished else None,
@@ -146,7 +145,7 @@ class NativeShaper:
                                 "cached_tokens": out.cached_tokens, "weight_version": "default",
                                 "num_retractions": out.num_retractions}
         if out.finished:
-            meta["e2e_latency"] = round(time.monotonic() - self.started, 6)
+            meta["e2e_latency"] = round(time.monotonic() - self.sub.started, 6)
         if self.opts[i].return_logprob:
             meta.update(self._logprobs(i, lp or Logprobs(), len(ids)))
         return ({"text": text} if self.tok is not None else {}) | {"output_ids": list(ids), "meta_info": meta}
@@ -181,21 +180,12 @@ async def generate(body: GenerateReqInput, request: Request) -> Response:
     """Text or token ids in; one object (single prompt, n=1) or a list out; SSE with `stream`."""
     started = time.monotonic()
     state = server_state(request)
-    plan = plan_generate(body, state.engine.tokenizer, state.args.engine.max_new_tokens_cap)
-    sub = Submission(state.async_engine, plan.reqs, "/generate", started)  # 400 / 503 before anything starts
-    shaper = NativeShaper(plan, state.engine.tokenizer, state.args.incremental_streaming_output, started)
-    if plan.stream:
-        def frame(i: int, out: RequestOutput) -> str | None:
-            body = shaper.frame(i, out, sub.joined[i])
-            return None if body is None else f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        return SSEResponse(sse_frames(sub, frame, partial(sse_error, "/generate")), sub)
-    try:
-        joined = await sub.collect(request)
-    except ClientGone:
-        return Response(status_code=CLIENT_CLOSED)
-    bodies = [shaper.body(i, res) for i, res in enumerate(joined)]
-    return JSONResponse(bodies[0] if plan.single else bodies)
+    tok = state.engine.tokenizer
+    reqs, single = plan_generate(body, tok, state.args.engine.max_new_tokens_cap)
+    sub = Submission(state.async_engine, reqs, "/generate", started)  # 400 / 503 before anything starts
+    shaper = NativeShaper(sub, reqs, single, tok, bool(body.return_text_in_logprobs),
+                          state.args.incremental_streaming_output)
+    return await respond(sub, request, bool(body.stream), shaper.frame, shaper.response)
 
 
 @router.post("/abort_request")

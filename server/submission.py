@@ -7,19 +7,20 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import suppress
+from functools import partial
 from typing import Any
 
 import anyio
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.runtime.request import JoinedOutput, NewRequest, RequestOutput
 from engine.runtime.sampling_params import SamplingParams
 from server.async_engine import AsyncEngine
-from server.errors import ApiError, BadRequest
+from server.errors import ApiError, BadRequest, sse_error
 
 logger = logging.getLogger("server.access")
 CLIENT_CLOSED = 499  # nginx's "client closed request": logged, never seen by anyone
@@ -55,12 +56,11 @@ class Submission:
             self.joined[i].add(out)
             if out.finished:
                 fr = out.finish_reason or {}  # a server-side abort carries the HTTP status it means
-                err = None if fr.get("type") != "abort" or fr.get("status_code") is None else ApiError(
-                    int(fr["status_code"]), str(fr.get("message") or out.error or "request aborted by the server"))
-                self._done(i, err.status if err else 200)
-                if err is not None:
-                    err.logged = True  # its access-log line is written: the error handler adds none
-                    raise err
+                failed = fr.get("type") == "abort" and fr.get("status_code") is not None
+                self._done(i, int(fr["status_code"]) if failed else 200)
+                if failed:  # its access-log line is written: the error handler adds none
+                    message = fr.get("message") or out.error or "request aborted by the server"
+                    raise ApiError(int(fr["status_code"]), str(message), logged=True)
             yield i, out
 
     async def collect(self, request: Request) -> list[JoinedOutput]:
@@ -112,6 +112,20 @@ def log_access(rid: str, prompt_tokens: int | str, completion_tokens: int, laten
     """The one access-log line of a request (every route; refused requests too, from server.app)."""
     logger.info("rid=%s prompt_tokens=%s completion_tokens=%d latency=%.3fs status=%d finish=%s route=%s",
                 rid, prompt_tokens, completion_tokens, latency, status, finish, route)
+
+
+async def respond(sub: Submission, request: Request, stream: bool, frame: Any, whole: Any,
+                  head: Callable[[], tuple[str, ...]] | None = None, tail: Any = None) -> Response:
+    """A generation route's response: the stream of `sse_frames` (head() first), or whole(joined results)
+    as JSON once every sequence has finished (a client gone first: 499, logged only)."""
+    if stream:
+        frames = sse_frames(sub, frame, partial(sse_error, sub.route), head() if head else (), tail)
+        return SSEResponse(frames, sub)
+    try:
+        joined = await sub.collect(request)
+    except ClientGone:
+        return Response(status_code=CLIENT_CLOSED)
+    return JSONResponse(whole(joined))
 
 
 class SSEResponse(StreamingResponse):
