@@ -14,10 +14,10 @@ OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
 class ApiError(Exception):
     """An error with an HTTP status and a message for the client."""
 
-    def __init__(self, status: int, message: str, extra: dict | None = None) -> None:
+    def __init__(self, status: int, message: str, extra: dict | None = None, logged: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.extra = status, message, extra or {}
-        self.logged = False  # True once the request's access-log line is written
+        self.logged = logged  # True once the request's access-log line is written
 
 
 class BadRequest(ApiError):
