@@ -43,8 +43,6 @@ def _valid_unicode(name: str, v: Any) -> Any:
 
 def _ids_or_batch(name: str, v: Any) -> Any:
     """A list of token ids, or a list of such lists."""
-    if v is None:
-        return v
     if isinstance(v, list) and (all(_is(x, int) for x in v) or
                                 all(isinstance(x, list) and all(_is(t, int) for t in x) for x in v)):
         return v
@@ -72,8 +70,7 @@ class GenerateReqInput(BaseModel):
     token_ids_logprob: list[StrictInt] | list[list[StrictInt]] | None = None
     return_text_in_logprobs: StrictBool | None = False
 
-    @field_validator("text", "rid", "sampling_params", "return_logprob", "logprob_start_len", "top_logprobs_num",
-                     mode="before")
+    @field_validator(*_SCALAR_OR_LIST, mode="before")
     @classmethod
     def _scalars(cls, v: Any, info: Any) -> Any:
         return _valid_unicode(info.field_name, _scalar_or_list(info.field_name, v, *_SCALAR_OR_LIST[info.field_name]))
@@ -81,7 +78,7 @@ class GenerateReqInput(BaseModel):
     @field_validator("input_ids", "token_ids_logprob", mode="before")
     @classmethod
     def _ids(cls, v: Any, info: Any) -> Any:
-        return _ids_or_batch(info.field_name, v)
+        return v if v is None else _ids_or_batch(info.field_name, v)
 
     @field_validator("stream", "return_text_in_logprobs", mode="before")
     @classmethod
@@ -119,6 +116,4 @@ class DetokenizeReq(BaseModel):
     @field_validator("tokens", mode="before")
     @classmethod
     def _tokens(cls, v: Any) -> Any:
-        if v is None:
-            raise ValueError("tokens must be a list of integer token ids or a list of such lists, got null")
         return _ids_or_batch("tokens", v)

@@ -98,14 +98,6 @@ def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], m
 
 
 # ---- /v1/completions ------------------------------------------------------------------------------------
-def _completion_prompts(tok: Tokenizer, prompt: Any) -> tuple[list[list[int]], list[Any]]:
-    """(token ids per prompt, the prompts as given) from the four accepted shapes."""
-    given: list[Any] = [prompt] if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else prompt
-    if not given or any(len(p) == 0 for p in given):
-        raise ApiError(400, "Prompt cannot be empty")
-    return [tok.encode(p) if isinstance(p, str) else list(p) for p in given], given
-
-
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = server_state(request)
@@ -114,7 +106,12 @@ async def completions(request: Request) -> Response:
     cap = min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
     if req.logprobs is not None and req.logprobs > cap:
         raise ApiError(400, f"logprobs must be at most {cap}, got {req.logprobs}.", {"param": "logprobs"})
-    prompts, given = _completion_prompts(tok, req.prompt)
+    # the four accepted shapes: a string or token ids, or a list of either
+    one = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
+    given: list[Any] = [req.prompt] if one else req.prompt
+    if not given or any(len(p) == 0 for p in given):
+        raise ApiError(400, "Prompt cannot be empty")
+    prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in given]
     sub = _submit(state, req, prompts, req.max_tokens, "max_tokens" in req.model_fields_set,
                   _logprob(req, req.logprobs, bool(req.echo)), "/v1/completions")
     return await CompletionShaper(sub, req, tok, prompts, given, state.args.enable_cache_report).respond(request)
