@@ -146,12 +146,11 @@ def create_app(state: ServerState) -> FastAPI:
         app.add_exception_handler(exc_type, on_error)
 
     @app.get("/health")
-    async def health() -> Response:
+    async def health(request: Request) -> Response:
         if state.healthy:
             return Response(status_code=200)
         if state.async_engine.warming and state.ready:
-            return JSONResponse({"error": {"message": "warming up: compiling the decode graphs (see the log)"}},
-                                status_code=503)
+            return error_response(request, 503, "warming up: compiling the decode graphs (see the log)")
         return Response(status_code=503)
 
     @app.get("/liveness")

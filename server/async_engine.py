@@ -58,14 +58,13 @@ class Channel:
         return len(self._items)
 
     def put_nowait(self, idx: int, out: RequestOutput) -> None:
+        self._ready.set()
         if len(self._items) >= self.limit:
             for j in range(len(self._items) - 1, -1, -1):
                 if self._items[j][0] == idx:
                     self._items[j] = (idx, merge(self._items[j][1], out))
-                    self._ready.set()
                     return
         self._items.append((idx, out))
-        self._ready.set()
 
     async def get(self) -> tuple[int, RequestOutput]:
         while not self._items:

@@ -26,8 +26,7 @@ THROUGHPUT_WINDOW_S = 10.0
 @dataclass
 class _ReqTimes:
     arrival: float
-    first_token: float | None = None
-    last_token: float | None = None
+    last_token: float | None = None  # None until the first token
     seen_tokens: int = 0
 
 
@@ -130,14 +129,13 @@ class Metrics:
             return
         new = out.completion_tokens - t.seen_tokens
         if new > 0:
-            if t.first_token is None:
+            if t.last_token is None:
                 self.ttft.observe(now - t.arrival)
                 self.queue_time.observe(now - t.arrival)
                 if new > 1:
                     self._itl(now - t.arrival, new - 1)
             else:
-                self._itl(now - (t.last_token or now), new)
-            t.first_token = t.first_token or now
+                self._itl(now - t.last_token, new)
             t.last_token, t.seen_tokens = now, out.completion_tokens
             self._recent.append((now, new))
             self.gen_throughput(now)  # prunes the window

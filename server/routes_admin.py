@@ -12,14 +12,14 @@ import uuid
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
 from engine.runtime.request import NewRequest
 from engine.runtime.sampling_params import SamplingParams
 from mem_cache import LayerIdError, MiniMaxSparseKVPool, MissingBufferError
 from mem_cache.pool_info import dtype_name
 from server import __version__
-from server.errors import ApiError, BadRequest
+from server.errors import ApiError, BadRequest, error_response
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeReq, TokenizeReq
 from server.state import ServerState, server_state
@@ -145,10 +145,9 @@ async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
     tok = _tokenizer(state)
     vocab = state.engine.cfg.vocab_size
     seqs = [body.tokens] if not body.tokens or isinstance(body.tokens[0], int) else body.tokens
-    for seq in seqs:
-        bad = [t for t in seq if not 0 <= t < vocab]  # type: ignore[operator]
-        if bad:
-            raise ApiError(400, f"tokens must be in [0, {vocab - 1}], got {bad[0]}.")
+    bad = next((t for seq in seqs for t in seq if not 0 <= t < vocab), None)  # type: ignore[operator]
+    if bad is not None:
+        raise ApiError(400, f"tokens must be in [0, {vocab - 1}], got {bad}.")
     texts = [tok.decode(list(s), skip_special_tokens=body.skip_special_tokens) for s in seqs]  # type: ignore[arg-type]
     return {"text": texts[0] if seqs is not body.tokens else texts}
 
@@ -157,8 +156,7 @@ async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
 async def metrics(request: Request) -> Response:
     m = server_state(request).metrics
     if m is None:
-        return JSONResponse({"error": {"message": "metrics are disabled; start the server with --enable-metrics"}},
-                            status_code=404)
+        return error_response(request, 404, "metrics are disabled; start the server with --enable-metrics")
     return Response(m.render(), media_type=CONTENT_TYPE)
 
 
