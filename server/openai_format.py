@@ -1,5 +1,5 @@
 """OpenAI requests <-> engine: the response models (the shapes OpenAI's clients parse), the chat prompt; finish
-fields, usage and both logprob formats as pure functions over deltas and joined outputs (bodies and chunks alike)."""
+fields and both logprob formats as pure functions over deltas and joined outputs (bodies and chunks alike)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from engine.runtime.request import JoinedOutput, Logprobs
+from engine.runtime.request import Logprobs
 from engine.runtime.tokenizer import ChatTemplateError, Tokenizer
 from server.errors import ApiError, BadRequest
 from server.openai_protocol import ChatCompletionRequest
@@ -111,15 +111,6 @@ def finish_fields(reason: dict[str, Any] | None) -> dict[str, Any]:
     """finish_reason and matched_stop: "stop" with the matched id or string, "length"/"abort" with null."""
     kind = None if reason is None else reason.get("type")
     return {"finish_reason": kind, "matched_stop": reason.get("matched") if kind == "stop" else None}
-
-
-def usage_of(prompt_lens: list[int], joined: list[JoinedOutput], n: int, cache_report: bool) -> UsageInfo:
-    """Each prompt counted once (not once per sample); every sample's generated tokens counted."""
-    prompt = sum(prompt_lens)
-    completion = sum(len(j.output_ids) for j in joined)
-    cached = sum(j.last.cached_tokens for k, j in enumerate(joined) if j.last is not None and k % n == 0)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details={"cached_tokens": cached} if cache_report else None)
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:

@@ -21,11 +21,11 @@ from server.openai_format import (
     ChoiceLogprobs,
     CompletionChoice,
     CompletionResponse,
+    UsageInfo,
     chat_logprobs,
     completion_logprobs,
     finish_fields,
     prompt_logprobs,
-    usage_of,
 )
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.submission import Submission, respond
@@ -40,11 +40,16 @@ class _Shaper:
 
     def __init__(self, sub: Submission, req: Any, tok: Tokenizer, prompts: list[list[int]], cache_report: bool) -> None:
         self.sub, self.req, self.tok, self.cache_report = sub, req, tok, cache_report
-        self.prompt_lens, self.n = [len(p) for p in prompts], req.n or 1
+        self.prompt_tokens, self.n = sum(len(p) for p in prompts), req.n or 1
         self.head = {"id": sub.id, "created": int(time.time()), "model": req.model}
 
-    def usage(self) -> Any:
-        return usage_of(self.prompt_lens, self.sub.joined, self.n, self.cache_report)
+    def usage(self) -> UsageInfo:
+        """Each prompt counted once (not once per sample); every sample's generated tokens counted."""
+        prompt, joined = self.prompt_tokens, self.sub.joined
+        completion = sum(len(j.output_ids) for j in joined)
+        cached = sum(j.last.cached_tokens for j in joined[::self.n] if j.last is not None)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details={"cached_tokens": cached} if self.cache_report else None)
 
     def head_frames(self) -> tuple[str, ...]:
         return ()
