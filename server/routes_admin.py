@@ -16,7 +16,7 @@ from fastapi.responses import Response
 
 from engine.runtime.request import NewRequest
 from engine.runtime.sampling_params import SamplingParams
-from mem_cache import LayerIdError, MiniMaxSparseKVPool, MissingBufferError
+from mem_cache import LayerIdError, MissingBufferError
 from mem_cache.pool_info import dtype_name
 from server import __version__
 from server.errors import ApiError, BadRequest, error_response
@@ -78,10 +78,8 @@ async def server_info(request: Request) -> dict[str, Any]:
     info: dict[str, Any] = args.flat()
     if info.get("api_key"):
         info["api_key"] = "<redacted>"
-    # the limits in force: --max-new-tokens-cap defaults to the context length
-    if info["max_new_tokens_cap"] is None:
-        info["max_new_tokens_cap"] = eng.context_len
     info.update({
+        "max_new_tokens_cap": info["max_new_tokens_cap"] or eng.context_len,  # the limit in force
         "served_model_name": args.model_name,
         "context_len": eng.context_len,
         "max_total_num_tokens": st.max_total_tokens,
@@ -161,13 +159,16 @@ async def metrics(request: Request) -> Response:
 
 
 # ---- pool introspection: unknown layer 404, a buffer the layer lacks 409, unknown buffer name 400 ----------
-def _layer_pool(request: Request, layer_id: int) -> MiniMaxSparseKVPool:
+def _pool_info(request: Request, layer_id: int, buffer: str | None = None) -> dict[str, Any]:
     pool = server_state(request).engine.pool
     try:
-        pool.layer_kind(layer_id)
+        return pool.layer_info(layer_id) if buffer is None else pool.buffer_info(layer_id, buffer)
     except LayerIdError as e:
         raise ApiError(404, str(e)) from None
-    return pool
+    except MissingBufferError as e:
+        raise ApiError(409, str(e)) from None
+    except ValueError as e:  # an unknown buffer name
+        raise BadRequest(str(e)) from None
 
 
 @router.get("/pools")
@@ -197,15 +198,9 @@ async def layers(request: Request) -> dict[str, Any]:
 
 @router.get("/pools/layers/{layer_id}")
 async def layer(layer_id: int, request: Request) -> dict[str, Any]:
-    return _layer_pool(request, layer_id).layer_info(layer_id)
+    return _pool_info(request, layer_id)
 
 
 @router.get("/pools/layers/{layer_id}/buffers/{buffer}")
 async def buffer(layer_id: int, buffer: str, request: Request) -> dict[str, Any]:
-    pool = _layer_pool(request, layer_id)
-    try:
-        return pool.buffer_info(layer_id, buffer)
-    except MissingBufferError as e:
-        raise ApiError(409, str(e)) from None
-    except ValueError as e:  # an unknown buffer name
-        raise BadRequest(str(e)) from None
+    return _pool_info(request, layer_id, buffer)
