@@ -132,8 +132,7 @@ class Metrics:
             if t.last_token is None:
                 self.ttft.observe(now - t.arrival)
                 self.queue_time.observe(now - t.arrival)
-                if new > 1:
-                    self._itl(now - t.arrival, new - 1)
+                self._itl(now - t.arrival, new - 1)
             else:
                 self._itl(now - t.last_token, new)
             t.last_token, t.seen_tokens = now, out.completion_tokens
