@@ -5,6 +5,7 @@ submits; `respond` streams or collects."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from fastapi import Request
@@ -51,7 +52,7 @@ class _Shaper:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details={"cached_tokens": cached} if self.cache_report else None)
 
-    def head_frames(self) -> tuple[str, ...]:
+    def head_frames(self) -> Iterable[str]:
         return ()
 
     def chunk(self, choice: Any, drop: dict[str, Any] | None = None) -> str:
@@ -59,13 +60,13 @@ class _Shaper:
         drop = (drop or {}) | {"metadata": True} | ({} if usage else {"usage": True})
         return _sse(self.chunk_type(**self.head, choices=[choice], usage=usage), drop)
 
-    def tail(self):
+    def tail(self) -> Iterator[str]:
         if self.req.include_usage:
             yield _sse(self.chunk_type(**self.head, choices=[], usage=self.usage()), {"metadata"})
 
     async def respond(self, request: Request) -> Response:
         return await respond(self.sub, request, bool(self.req.stream), self.frame, self.response,
-                             self.head_frames, self.tail)
+                             self.head_frames(), self.tail())
 
 
 class CompletionShaper(_Shaper):
@@ -105,9 +106,9 @@ class ChatShaper(_Shaper):
     chunk_type = ChatCompletionChunk
     req: ChatCompletionRequest
 
-    def head_frames(self) -> tuple[str, ...]:
-        return tuple(self.chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
-                     for i in range(len(self.sub.rids)))
+    def head_frames(self) -> Iterator[str]:
+        for i in range(len(self.sub.rids)):
+            yield self.chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
 
     def frame(self, i: int, out: Any) -> str | None:
         """The new content, then the finish in a chunk of its own (SGLang's and OpenAI's shape). With vLLM's

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Iterable
 from contextlib import suppress
 from functools import partial
 from typing import Any
@@ -115,12 +115,11 @@ def log_access(rid: str, prompt_tokens: int | str, completion_tokens: int, laten
 
 
 async def respond(sub: Submission, request: Request, stream: bool, frame: Any, whole: Any,
-                  head: Callable[[], tuple[str, ...]] | None = None, tail: Any = None) -> Response:
-    """A generation route's response: the stream of `sse_frames` (head() first), or whole(joined results)
-    as JSON once every sequence has finished (a client gone first: 499, logged only)."""
+                  head: Iterable[str] = (), tail: Iterable[str] = ()) -> Response:
+    """A generation route's response: the stream of `sse_frames`, or whole(joined results) as JSON once
+    every sequence has finished (a client gone first: 499, logged only)."""
     if stream:
-        frames = sse_frames(sub, frame, partial(sse_error, sub.route), head() if head else (), tail)
-        return SSEResponse(frames, sub)
+        return SSEResponse(sse_frames(sub, frame, partial(sse_error, sub.route), head, tail), sub)
     try:
         joined = await sub.collect(request)
     except ClientGone:
@@ -148,10 +147,11 @@ class SSEResponse(StreamingResponse):
             self.submission.close()
 
 
-async def sse_frames(sub: Submission, frame: Any, error: Any, head: tuple[str, ...] = (),
-                     tail: Any = None) -> AsyncIterator[str]:
-    """`data:` lines: `head`, frame(i, out) per output (None: skip), tail() (optional), then [DONE].
-    An error once streaming has begun becomes error(status, message) and ends the stream."""
+async def sse_frames(sub: Submission, frame: Any, error: Any, head: Iterable[str] = (),
+                     tail: Iterable[str] = ()) -> AsyncIterator[str]:
+    """`data:` lines: `head`, frame(i, out) per output (None: skip), `tail`, then [DONE]; `head` and `tail`
+    may be generators, run when the stream reaches them. An error once streaming has begun becomes
+    error(status, message) and ends the stream."""
     try:
         for text in head:
             yield text
@@ -162,9 +162,8 @@ async def sse_frames(sub: Submission, frame: Any, error: Any, head: tuple[str, .
                 # NOTE: a real suspension per frame: with the client gone, a backlog is otherwise sent
                 # without ever suspending, and the disconnect (a cancellation) waits for all of it.
                 await asyncio.sleep(0)
-        if tail is not None:
-            for text in tail():
-                yield text
+        for text in tail:
+            yield text
     except ApiError as e:
         yield error(e.status, e.message)
     except Exception as e:  # noqa: BLE001 - the status line is already sent
