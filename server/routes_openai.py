@@ -77,22 +77,22 @@ def _check(state: ServerState, req: SamplingFields) -> Tokenizer:
     return state.engine.tokenizer
 
 
-def _logprob(req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions | None:
+def _logprob(req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions:
     """Logprob options: `top` alternatives per output token (None: no logprobs), prompt logprobs for
     echo or vLLM's prompt_logprobs."""
     if top is None and req.prompt_logprobs is None:
-        return None
+        return LogprobOptions()
     return LogprobOptions(True, 0 if echo or req.prompt_logprobs is not None else -1,
                           max(top or 0, req.prompt_logprobs or 0))
 
 
 def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], max_new: int | None, given: bool,
-            logprob: LogprobOptions | None, route: str) -> Submission:
+            logprob: LogprobOptions, route: str) -> Submission:
     """`max_new`: the request's max tokens; `given`: sent by the client (else a default, which yields to the cap)."""
     given_max = {"max_new_tokens": max_new} if given and max_new is not None else {}
     params = sampling_params(req.sampling_dict() | given_max, state.args.engine.max_new_tokens_cap, max_new)
     base = req.rid or uuid.uuid4().hex
-    reqs = [NewRequest(ids, params, logprob or LogprobOptions(), base if len(prompts) == 1 else f"{base}_{p}",
+    reqs = [NewRequest(ids, params, logprob, base if len(prompts) == 1 else f"{base}_{p}",
                        fit_context=True) for p, ids in enumerate(prompts)]
     return Submission(state.async_engine, reqs, route, response_id=base)
 
