@@ -3,8 +3,6 @@ every position. It builds what the engine builds, from public pieces, without a 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 from engine.model.forward_batch import DecodeBatch
@@ -17,7 +15,7 @@ from mem_cache import KVCacheManager, MiniMaxSparseKVPool
 
 class PagedModel:
     def __init__(self, model: MiniMaxM3Model, size: int = 2048, max_requests: int = 8,
-                 graph_buckets: list[int] | None = None, compile_beside: Callable | None = None) -> None:
+                 graph_buckets: list[int] | None = None) -> None:
         c, p = model.cfg, next(model.parameters())
         self.pool = MiniMaxSparseKVPool(size, p.dtype, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
                                         c.index_head_dim, p.device)
@@ -25,7 +23,7 @@ class PagedModel:
         args = EngineArgs(disable_cuda_graph=not graph_buckets, cuda_graph_bs=graph_buckets)
         self.runner = ModelRunner(model, self.pool, args, min(size, c.max_position_embeddings))
         if graph_buckets:
-            self.runner.warm_up(compile_beside)
+            self.runner.warm_up()
 
     def run(self, prompts: list[list[int]], chunk: int, prefix: int | None = None) -> list[torch.Tensor]:
         """Feed each prompt `chunk` tokens per step (all prompts batched per step), or one extend of

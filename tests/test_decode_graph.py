@@ -23,7 +23,6 @@ from hf_models import build_hf_model
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
 from engine.runtime.graph_passes import SUM_PIECE
-from engine.runtime.precompiled import store_path
 from tests.forward_utils import PagedModel, assert_captured_equals_eager
 from tests.server_utils import start_server
 
@@ -136,32 +135,3 @@ def test_warm_up_keeps_health_at_503_then_reports_the_buckets(tmp_path, tiny3):
         srv.terminate()
 
 
-class _FakeChild:
-    exitcode = None
-
-    def join(self) -> None:
-        self.exitcode = 0
-
-
-def test_a_first_start_compiles_batch_one_beside_and_a_second_starts_nothing(tiny3, tmp_path, monkeypatch):
-    """With neither graph saved, warm-up starts the compile beside at once (here a stand-in that saves both
-    graphs, copied from the cache the tests above filled), waits for it, and loads what it saved; a start after
-    that one starts nothing."""
-    model = load_model(tiny3)
-    PagedModel(model, size=4096, max_requests=64, graph_buckets=BUCKETS)  # (both graphs saved in the real cache)
-    saved = {kind: store_path(kind, model, PagedModel(model, size=4096, max_requests=64).pool) for kind in ("one", "many")}
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    started: list[_FakeChild] = []
-
-    def beside(buckets: tuple[int, ...]) -> _FakeChild:
-        assert buckets == (1,)
-        (tmp_path / "minimax_graphs").mkdir(exist_ok=True)
-        for path in saved.values():
-            shutil.copy(path, tmp_path / "minimax_graphs" / path.name)
-        started.append(_FakeChild())
-        return started[-1]
-
-    for _ in range(2):
-        p = PagedModel(model, size=4096, max_requests=64, graph_buckets=BUCKETS, compile_beside=beside)
-        assert p.runner.captured_batch_sizes() == tuple(BUCKETS)
-    assert len(started) == 1 and started[0].exitcode == 0  # started once, and joined before batch 1 loads

@@ -6,21 +6,17 @@ and with the batch size dynamic for every other bucket (the key length is dynami
 to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
 eager step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up. A batch
 is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
-largest bucket runs eager. A first start compiles the batch-1 graph in a child process (`warm_up`, `beside`).
+largest bucket runs eager.
 """
 
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import time
-from collections.abc import Callable
 
 import torch
 
-from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch
-from engine.model.loader import cast_model, init_dummy_weights
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs
 from engine.runtime.engine_args import EngineArgs
@@ -103,16 +99,12 @@ class DecodeGraphs:
         cpu = self.device.type == "cpu" and bool(self.buckets)
         return sum(g.guard_misses for g in {self._one, self._many}) if cpu else 0
 
-    def warm_up(self, compile_beside: Callable[[tuple[int, ...]], multiprocessing.Process] | None = None) -> None:
-        """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket. On CPU, given
-        `compile_beside` (a child process that compiles the buckets it is given and saves their graph, e.g.
-        `beside`): when neither graph is saved yet, the batch-1 graph compiles in the child while this process
-        compiles the dynamic one, and is then loaded here. NOTE: each compile is one core's Python: side by side
-        on 2 cores, a cold start's two take ~95 s instead of 71 + 80 s."""
-        self._warm_up(compile_beside)
+    def warm_up(self) -> None:
+        """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket."""
+        self._warm_up()
         self._compiles_at_warm_up = _compiles()
 
-    def _warm_up(self, compile_beside: Callable[[tuple[int, ...]], multiprocessing.Process] | None) -> None:
+    def _warm_up(self) -> None:
         if not self.buckets:
             return
         if self.device.type == "cuda":
@@ -122,34 +114,17 @@ class DecodeGraphs:
             logger.info("decode graphs: %d captured (batch %s x keys %s) in %.1f s", len(self._cuda.graphs),
                         list(self.buckets), list(self.key_buckets), time.perf_counter() - t)
             return
-        order, child = self.buckets, None
-        if (compile_beside is not None and self.buckets[:1] == (1,)
-                and len(self.buckets) > 1 and not self._one.path.exists() and not self._many.path.exists()):
-            order, child = self.buckets[1:] + (1,), compile_beside((1,))
-        for i, b in enumerate(order):
+        # NOTE: one compile after the other: the two graphs compiled side by side (batch 1 in a child process) made a
+        # cold start slower, 94.7 / 94.6 s against 86.5 / 86.9 s (2 cores, configs/tiny, 2026-12-04)
+        for i, b in enumerate(self.buckets):
             t = time.perf_counter()
             example = DecodeBatch.empty(b, self.min_keys, self.device)
-            if b == 1 and child is not None:
-                child.join()
-                if child.exitcode != 0:
-                    logger.warning("the compile beside exited with %s: compiling here", child.exitcode)
             graph = self._graph(b)
             how = "same graph" if graph.prepared() else graph.prepare(self.model, self.pool, example)
             self._call(b, example)
             self._compiled.add(b)
             logger.info("decode graph %d/%d: batch %d ready in %.1f s (%s)", i + 1, len(self.buckets), b,
                         time.perf_counter() - t, how)
-
-    def beside(self, buckets: tuple[int, ...]) -> multiprocessing.Process:
-        """A child process that compiles and saves the graphs of `buckets` for this model's and pool's shapes
-        (placeholder weights and an empty pool: all a graph's file depends on)."""
-        p, pool = next(self.model.parameters()), self.pool
-        shape = (pool.size, pool.dtype, pool.layer_kinds, pool.head_num, pool.head_dim, pool.index_head_dim)
-        child = multiprocessing.get_context("spawn").Process(
-            target=_compile_beside, args=(self.model.cfg, p.dtype, shape, buckets, self.min_keys,
-                                          torch.get_num_threads()), name="decode-graph-compile", daemon=True)
-        child.start()
-        return child
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits of every row: through the bucket's graph when there is one, else eager."""
@@ -178,16 +153,6 @@ class DecodeGraphs:
 def _compiles() -> int:
     """Graphs dynamo has compiled in this process (any `torch.compile`, ours or not)."""
     return torch._dynamo.utils.counters["stats"]["unique_graphs"]
-
-
-def _compile_beside(cfg: ModelConfig, dtype: torch.dtype, pool_shape: tuple, buckets: tuple[int, ...],
-                    min_keys: int, threads: int) -> None:
-    """`DecodeGraphs.beside`'s child: its whole work (the weights' values are never read into a graph's file)."""
-    torch.set_num_threads(threads)
-    model = MiniMaxM3Model(cfg)
-    init_dummy_weights(model)
-    DecodeGraphs(cast_model(model, dtype, "cpu").eval(), MiniMaxSparseKVPool(*pool_shape), buckets,
-                 torch.device("cpu"), min_keys, 0).warm_up()
 
 
 def _marked(batch: DecodeBatch) -> DecodeBatch:

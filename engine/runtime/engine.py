@@ -105,7 +105,7 @@ class Engine:
     # ---- the engine thread -----------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
-        self._runner.warm_up(self._runner.graphs.beside)  # (on CPU: the batch-1 graph compiles beside, first time)
+        self._runner.warm_up()
 
     def has_work(self) -> bool:
         with self._cond:

@@ -4,9 +4,6 @@ captured graph when one covers its batch size; logits come back for the rows the
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from multiprocessing import Process
-
 import torch
 import torch.nn.functional as F
 
@@ -39,8 +36,8 @@ class ModelRunner:
     def captured_batch_sizes(self) -> tuple[int, ...]:
         return self.graphs.ready()
 
-    def warm_up(self, compile_beside: Callable[[tuple[int, ...]], Process] | None = None) -> None:
-        self.graphs.warm_up(compile_beside)
+    def warm_up(self) -> None:
+        self.graphs.warm_up()
 
     @torch.no_grad()
     def decode_step(self, batch: DecodeBatch) -> torch.Tensor:  # (eager)
