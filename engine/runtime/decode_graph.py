@@ -101,22 +101,15 @@ class DecodeGraphs:
 
     def warm_up(self) -> None:
         """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket."""
-        self._warm_up()
-        self._compiles_at_warm_up = _compiles()
-
-    def _warm_up(self) -> None:
-        if not self.buckets:
-            return
-        if self.device.type == "cuda":
+        if self.buckets and self.device.type == "cuda":
             t = time.perf_counter()
             self._cuda.capture()
             self._compiled.update(self.buckets)
             logger.info("decode graphs: %d captured (batch %s x keys %s) in %.1f s", len(self._cuda.graphs),
                         list(self.buckets), list(self.key_buckets), time.perf_counter() - t)
-            return
         # NOTE: one compile after the other: the two graphs compiled side by side (batch 1 in a child process) made a
         # cold start slower, 94.7 / 94.6 s against 86.5 / 86.9 s (2 cores, configs/tiny, 2026-12-04)
-        for i, b in enumerate(self.buckets):
+        for i, b in enumerate(self.buckets if self.device.type != "cuda" else ()):
             t = time.perf_counter()
             example = DecodeBatch.empty(b, self.min_keys, self.device)
             graph = self._graph(b)
@@ -125,6 +118,7 @@ class DecodeGraphs:
             self._compiled.add(b)
             logger.info("decode graph %d/%d: batch %d ready in %.1f s (%s)", i + 1, len(self.buckets), b,
                         time.perf_counter() - t, how)
+        self._compiles_at_warm_up = _compiles()
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits of every row: through the bucket's graph when there is one, else eager."""
