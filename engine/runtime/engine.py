@@ -1,5 +1,6 @@
 """The engine: `add_requests`, `abort`, `stats`, `wait_for_work` (any thread) and `step` (the engine thread only:
-take new requests and aborts, schedule, run, sample) -> a delta for each touched request."""
+take new requests and aborts, schedule, run, sample) -> a delta for each touched request. The maintenance calls
+(`flush_cache`, `integrity_ok`) run torch: the engine thread too, between two steps."""
 
 from __future__ import annotations
 
@@ -44,7 +45,6 @@ class Engine:
         self._group: dict[str, list[str]] = {}  # rid of an n > 1 request -> every rid it expanded into
         self._member: dict[str, str] = {}  # expanded rid -> its group's rid
         self._touched: dict[str, Req] = {}
-        self._step_lock = threading.Lock()  # held while a step runs: maintenance waits for it
 
     @property
     def pool(self) -> MiniMaxSparseKVPool:
@@ -125,12 +125,11 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """One scheduling step: take new requests and aborts, run one batch, report what changed."""
-        with self._step_lock:
-            self._drain_inbox()
-            batch = self._scheduler.next_batch()
-            if batch is not None:
-                self._run(batch)
-            return self._collect()
+        self._drain_inbox()
+        batch = self._scheduler.next_batch()
+        if batch is not None:
+            self._run(batch)
+        return self._collect()
 
     def _drain_inbox(self) -> None:
         with self._cond:
@@ -215,7 +214,7 @@ class Engine:
             self._end(req, {"type": "abort", "message": message, "status_code": 500}, message, cache=False)
         return self._collect()
 
-    # ---- state and maintenance (any thread) ------------------------------------------------------
+    # ---- state (any thread) and maintenance (the engine thread) -----------------------------------
     def stats(self) -> EngineStats:
         s, kv = self._scheduler, self._kv
         return EngineStats(len(s.running), len(s.waiting), kv.size, kv.used_slots(), kv.free_slots(),
@@ -228,18 +227,16 @@ class Engine:
         return self._runner.graphs.info()
 
     def flush_cache(self) -> bool:
-        """Drop the prefix cache; refused (False) while requests run or wait (after a running step)."""
-        with self._step_lock:
-            return not self.has_work() and self._kv.flush()
+        """Drop the prefix cache; refused (False) while requests run or wait."""
+        return not self.has_work() and self._kv.flush()
 
     def check_integrity(self) -> bool:
         return self._scheduler.check_integrity()
 
     def integrity_ok(self) -> bool:
-        """`check_integrity()` from any thread: waits for a running step to end; False instead of raising."""
-        with self._step_lock:
-            try:
-                return self.check_integrity()
-            except AssertionError:
-                return False
+        """`check_integrity()`, False instead of raising."""
+        try:
+            return self.check_integrity()
+        except AssertionError:
+            return False
 
