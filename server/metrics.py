@@ -80,43 +80,29 @@ class Metrics:
             "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens),
         }
         for name, (doc, value) in values.items():
-            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
-            g.add_metric([self.model_name], float(value))
-            yield g
+            yield _family(GaugeMetricFamily, name, doc, self.model_name, {None: value})
         per_pool = {
             "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: st.used_tokens),
             "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: st.free_tokens),
             "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes()),
         }
         for name, (doc, fn) in per_pool.items():
-            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name", "pool"])
-            for p in pool.sub_pools():
-                g.add_metric([self.model_name, p.name], float(fn(p)))
-            yield g
-        yield from self._tiers(st.hit_tokens, st.host_tier)
-
-    def _tiers(self, hits: dict[str, int], host: dict | None) -> Any:
-        """Prefix tokens found per cache tier and missed; with a host tier, its occupancy and the bytes moved."""
-        model = [self.model_name]
-        c = CounterMetricFamily("sglang:cache_hit_tokens", "Prefix tokens found in a cache tier.", labels=["model_name", "tier"])
-        for tier in ("device", "host", "disk"):
-            c.add_metric([*model, tier], hits.get(tier, 0))
-        yield c
-        c = CounterMetricFamily("sglang:cache_miss_tokens", "Prefix tokens found in no tier.", labels=["model_name"])
-        c.add_metric(model, hits.get("miss", 0))
-        yield c
-        if host is None:
-            return
-        c = CounterMetricFamily("sglang:hicache_moved_bytes", "KV bytes copied between cache tiers.",
-                                labels=["model_name", "direction"])
-        for way in ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host"):
-            c.add_metric([*model, way], host["moved_bytes"].get(way, 0))
-        yield c
-        for name, key, doc in (("hicache_host_used_tokens", "used_tokens", "Host KV tier slots in use."),
-                               ("hicache_host_total_tokens", "size_tokens", "Host KV tier size in tokens.")):
-            g = GaugeMetricFamily(f"sglang:{name}", doc, labels=["model_name"])
-            g.add_metric(model, host[key])
-            yield g
+            yield _family(GaugeMetricFamily, name, doc, self.model_name, {p.name: fn(p) for p in pool.sub_pools()},
+                          "pool")
+        # the cache tiers: prefix tokens found in each and missed; with a host tier, bytes moved and its occupancy
+        hits, host = st.hit_tokens, st.host_tier
+        yield _family(CounterMetricFamily, "cache_hit_tokens", "Prefix tokens found in a cache tier.",
+                      self.model_name, {t: hits.get(t, 0) for t in ("device", "host", "disk")}, "tier")
+        yield _family(CounterMetricFamily, "cache_miss_tokens", "Prefix tokens found in no tier.", self.model_name,
+                      {None: hits.get("miss", 0)})
+        if host is not None:
+            ways = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
+            yield _family(CounterMetricFamily, "hicache_moved_bytes", "KV bytes copied between cache tiers.",
+                          self.model_name, {w: host["moved_bytes"].get(w, 0) for w in ways}, "direction")
+            yield _family(GaugeMetricFamily, "hicache_host_used_tokens", "Host KV tier slots in use.",
+                          self.model_name, {None: host["used_tokens"]})
+            yield _family(GaugeMetricFamily, "hicache_host_total_tokens", "Host KV tier size in tokens.",
+                          self.model_name, {None: host["size_tokens"]})
 
     # ---- feeding (event loop) ---------------------------------------------------------------------
     def on_submit(self, rids: list[str], now: float) -> None:
@@ -164,3 +150,12 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _family(cls: Any, name: str, doc: str, model: str, values: dict, label: str | None = None) -> Any:
+    """One metric family `sglang:<name>`: a sample per entry of `values` (label value -> number; {None: number}
+    for one sample with no label but the model's)."""
+    family = cls(f"sglang:{name}", doc, labels=["model_name", *([label] if label else [])])
+    for key, value in values.items():
+        family.add_metric([model, *([key] if label else [])], float(value))
+    return family
