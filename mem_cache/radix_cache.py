@@ -4,39 +4,29 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
 from mem_cache.allocator import TokenSlotAllocator
 
 
+@dataclass(eq=False, slots=True)
 class TreeNode:
     """One edge: a run of token ids (`key`), the slots holding their KV (`value`), children by first token.
     `lock_ref` counts the requests using it (a locked node is never evicted); `last_access` is the LRU clock."""
 
-    __slots__ = ("children", "key", "value", "parent", "lock_ref", "last_access", "node_id")
-
-    def __init__(self, node_id: int, key: list[int], value: torch.Tensor, parent: TreeNode | None,
-                 last_access: int) -> None:
-        self.node_id = node_id
-        self.children: dict[int, TreeNode] = {}
-        self.key = key
-        self.value = value  # NOTE: value[i] is the slot holding the KV of key[i]
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = last_access
+    node_id: int
+    key: list[int]
+    value: torch.Tensor  # NOTE: value[i] is the slot holding the KV of key[i]
+    parent: TreeNode | None
+    last_access: int
+    children: dict[int, TreeNode] = field(default_factory=dict)
+    lock_ref: int = 0
 
     def __repr__(self) -> str:
         more = "..." if len(self.key) > 6 else ""
         return f"TreeNode(id={self.node_id}, len={len(self.key)}, key={self.key[:6]}{more}, lock_ref={self.lock_ref})"
-
-
-def _common(key: list[int], tokens: list[int], start: int) -> int:
-    n = min(len(key), len(tokens) - start)
-    i = 0
-    while i < n and key[i] == tokens[start + i]:
-        i += 1
-    return i
 
 
 class RadixCache:
@@ -214,7 +204,9 @@ class RadixCache:
         now, node, pos, values = self._clock, self.root, 0, []
         while pos < len(tokens) and (child := node.children.get(tokens[pos])) is not None:
             child.last_access = now
-            m = _common(child.key, tokens, pos)
+            m, n = 0, min(len(child.key), len(tokens) - pos)  # (the tokens the child's key shares with the rest)
+            while m < n and child.key[m] == tokens[pos + m]:
+                m += 1
             if m < len(child.key):
                 if not split_inside and pos + m == len(tokens):
                     return child, len(tokens), [*values, child.value[:m]]

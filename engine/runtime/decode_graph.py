@@ -11,6 +11,7 @@ largest bucket runs eager.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -159,11 +160,9 @@ def _marked(batch: DecodeBatch) -> DecodeBatch:
 
 
 def pad(batch: DecodeBatch, rows: int) -> DecodeBatch:
-    """`batch` with padding rows appended up to `rows`: token 0 at position 0 into slot 0, keys slot 0."""
+    """`batch` with padding rows (`DecodeBatch.empty`'s) appended up to `rows`."""
     extra = rows - batch.input_ids.shape[0]
     if extra == 0:
         return batch
-    z = torch.zeros(extra, dtype=torch.int64, device=batch.input_ids.device)
-    return DecodeBatch(torch.cat([batch.input_ids, z]), torch.cat([batch.positions, z]),
-                       torch.cat([batch.out_cache_loc, z]),
-                       torch.cat([batch.key_slots, batch.key_slots.new_zeros(extra, batch.key_slots.shape[1])]))
+    z = DecodeBatch.empty(extra, batch.key_slots.shape[1], batch.input_ids.device)
+    return DecodeBatch(*(torch.cat([getattr(batch, f.name), getattr(z, f.name)]) for f in dataclasses.fields(z)))
