@@ -42,24 +42,28 @@ def _remove(path: Path) -> None:
 
 
 class HostKVPool:
-    """A host twin `[size + 1, ...]` of every device buffer (pinned beside a GPU; row 0 unused): one host slot holds
-    one token in all of them. NOTE: left uninitialized (a row is read only after it is written), so on CPU the
-    tier's resident memory grows with what it holds, up to its size."""
+    """Host memory for every device buffer, token-major: host slot s is row s of `data` ([size + 1,
+    bytes_per_token] bytes, pinned beside a GPU, row 0 unused), each buffer's bytes in turn: a copy either way is
+    one transfer (on CUDA one sync, not one per buffer), a disk page its rows as they lie. NOTE: left uninitialized
+    (a row is read only after it is written): on CPU its resident memory grows with what it holds."""
 
     def __init__(self, pool: Any, size: int) -> None:
         self.buffers = pool_buffers(pool)
-        pin = pool.device.type == "cuda"
-        self.host = [torch.empty((size + 1, *t.shape[1:]), dtype=t.dtype, pin_memory=pin) for *_, t in self.buffers]
-        self.allocator = TokenSlotAllocator(size, keep_sorted=False)
         self.bytes_per_token, self.bytes_per_token_by_kind = bytes_per_token(pool), pool.bytes_per_token_by_kind()
+        self.data = torch.empty((size + 1, self.bytes_per_token), dtype=torch.uint8,
+                                pin_memory=pool.device.type == "cuda")
+        self.allocator = TokenSlotAllocator(size, keep_sorted=False)
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        for (*_, d), h in zip(self.buffers, self.host):
-            h[host_slots] = d[device_slots.to(d.device)].cpu()
+        slots = device_slots.to(self.buffers[0][2].device)
+        rows = [d[slots].reshape(len(slots), -1).view(torch.uint8) for *_, d in self.buffers]
+        self.data[host_slots] = torch.cat(rows, dim=1).cpu()
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        for (*_, d), h in zip(self.buffers, self.host):
-            d[device_slots.to(d.device)] = h[host_slots].to(d.device, non_blocking=True)
+        slots = device_slots.to(self.buffers[0][2].device)
+        rows = self.data[host_slots].to(slots.device, non_blocking=True)
+        for (*_, d), part in zip(self.buffers, rows.split([d[0].nbytes for *_, d in self.buffers], dim=1)):
+            d[slots] = part.view(d.dtype).view(len(slots), *d.shape[1:])
 
 
 class DiskStore:
@@ -68,7 +72,7 @@ class DiskStore:
     a CRC-32 and the page's bytes; one that fails any check is logged, removed and read as a miss (its tokens, and
     those of the pages after it, recomputed and written again)."""
 
-    MAGIC = b"MMKV1"
+    MAGIC = b"MMKV2"  # (2: token-major pages)
 
     def __init__(self, directory: str, fingerprint: str, host: HostKVPool) -> None:
         self.dir, self.host, self.writable = Path(directory), host, True
@@ -99,7 +103,7 @@ class DiskStore:
             if path.exists():
                 continue
             rows, tmp = host_slots[p * PAGE:(p + 1) * PAGE], path.with_suffix(f".{os.getpid()}.tmp")
-            body = torch.cat([h[rows].reshape(-1).view(torch.uint8) for h in self.host.host]).numpy().tobytes()
+            body = self.host.data[rows].numpy().tobytes()
             try:  # (a file of its own per process, renamed whole: a reader never sees half a page)
                 tmp.write_bytes(self.MAGIC + key + zlib.crc32(body).to_bytes(4, "little") + body)
                 os.replace(tmp, path)
@@ -128,11 +132,7 @@ class DiskStore:
                            "(and written again)", path, len(raw))
             _remove(path)
             return False
-        data, off = torch.frombuffer(bytearray(body), dtype=torch.uint8), 0
-        for h in self.host.host:
-            n = PAGE * h[0].nbytes
-            h[host_slots] = data[off:off + n].view(h.dtype).view(PAGE, *h.shape[1:])
-            off += n
+        self.host.data[host_slots] = torch.frombuffer(bytearray(body), dtype=torch.uint8).view(PAGE, -1)
         return True
 
 
@@ -223,7 +223,7 @@ class HiCache:
         a = self.host.allocator
         return {"size_tokens": a.size, "used_tokens": a.used_size(), "bytes_per_token": self.host.bytes_per_token,
                 "bytes_per_token_by_kind": self.host.bytes_per_token_by_kind,
-                "total_bytes": sum(h.nbytes for h in self.host.host), "write_policy": self.write_policy,
+                "total_bytes": self.host.data.nbytes, "write_policy": self.write_policy,
                 "storage_dir": str(self.disk.dir) if self.disk else None, "moved_bytes": dict(self.moved_bytes)}
 
     def check_integrity(self) -> bool:
