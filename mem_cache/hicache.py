@@ -5,6 +5,7 @@ so a layer kind this file has never seen needs nothing new here."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -22,6 +23,7 @@ from mem_cache.radix_cache import RadixCache, TreeNode
 logger = logging.getLogger(__name__)
 WRITE_POLICIES = ("write_through", "write_back")
 PAGE = 64  # tokens per disk page
+STAGING_BYTES = 64 << 20  # a copy between the tiers moves at most this much at once (a transfer's device rows)
 
 
 def pool_buffers(pool: Any) -> list[tuple[int, str, torch.Tensor]]:
@@ -35,10 +37,8 @@ def bytes_per_token(pool: Any) -> int:
 
 
 def _remove(path: Path) -> None:
-    try:
+    with contextlib.suppress(OSError):  # (an unwritable directory: the page stays, and is refused again when read)
         path.unlink(missing_ok=True)
-    except OSError:  # (an unwritable directory: the page stays, and is refused again when read)
-        pass
 
 
 class HostKVPool:
@@ -55,15 +55,20 @@ class HostKVPool:
         self.allocator = TokenSlotAllocator(size, keep_sorted=False)
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
-        slots = device_slots.to(self.buffers[0][2].device)
-        rows = [d[slots].reshape(len(slots), -1).view(torch.uint8) for *_, d in self.buffers]
-        self.data[host_slots] = torch.cat(rows, dim=1).cpu()
+        for dev, host in self._pieces(device_slots, host_slots):
+            rows = [d[dev].reshape(len(dev), -1).view(torch.uint8) for *_, d in self.buffers]
+            self.data[host] = torch.cat(rows, dim=1).cpu()
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        slots = device_slots.to(self.buffers[0][2].device)
-        rows = self.data[host_slots].to(slots.device, non_blocking=True)
-        for (*_, d), part in zip(self.buffers, rows.split([d[0].nbytes for *_, d in self.buffers], dim=1)):
-            d[slots] = part.view(d.dtype).view(len(slots), *d.shape[1:])
+        for dev, host in self._pieces(device_slots, host_slots):
+            rows = self.data[host].to(dev.device, non_blocking=True)
+            for (*_, d), part in zip(self.buffers, rows.split([d[0].nbytes for *_, d in self.buffers], dim=1)):
+                d[dev] = part.view(d.dtype).view(len(dev), *d.shape[1:])
+
+    def _pieces(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
+        """(device slots, host slots) in pieces whose rows take at most STAGING_BYTES on the device."""
+        step, dev = max(1, STAGING_BYTES // self.bytes_per_token), device_slots.to(self.buffers[0][2].device)
+        return ((dev[i:i + step], host_slots[i:i + step]) for i in range(0, len(dev), step))
 
 
 class DiskStore:
@@ -149,8 +154,7 @@ class HiCache:
         self.host, self.write_policy = HostKVPool(pool, size), write_policy
         self.write_through = write_policy == "write_through"
         self.disk = DiskStore(storage_dir, fingerprint, self.host) if storage_dir else None
-        write_back_to_disk = self.disk is not None and not self.write_through
-        self.tree = RadixCache(self.host.allocator, on_evict=self._to_disk if write_back_to_disk else None)
+        self.tree = RadixCache(self.host.allocator, on_evict=self._to_disk if self.disk and not self.write_through else None)
         self.moved_bytes: Counter[str] = Counter()  # KV bytes copied, by direction
 
     def _alloc(self, n: int, keep: TreeNode) -> torch.Tensor | None:

@@ -61,11 +61,6 @@ def elements_per_token(kind: str, head_num: int, head_dim: int, index_head_dim: 
     return 2 * head_num * head_dim + index_head_dim * len(KIND_BUFFERS[kind] - {"key", "value"})
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """`torch.float32` -> "float32"."""
-    return str(dtype).removeprefix("torch.")
-
-
 class SparsePoolInfoMixin:
     """Introspection half of `MiniMaxSparseKVPool`; all `layer_id` arguments are GLOBAL layer ids."""
 
@@ -152,7 +147,7 @@ class SparsePoolInfoMixin:
             "pool_class": type(loc.pool).__name__,
             "local_layer_id": loc.local_layer_id,
             "shape": list(t.shape),
-            "dtype": dtype_name(t.dtype),
+            "dtype": str(t.dtype).removeprefix("torch."),
             "bytes": t.numel() * t.element_size(),
         }
 

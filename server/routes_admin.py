@@ -17,7 +17,6 @@ from fastapi.responses import Response
 from engine.runtime.request import NewRequest
 from engine.runtime.sampling_params import SamplingParams
 from mem_cache import LayerIdError, MissingBufferError
-from mem_cache.pool_info import dtype_name
 from server import __version__
 from server.errors import ApiError, BadRequest, error_response
 from server.metrics import CONTENT_TYPE
@@ -178,7 +177,7 @@ async def pools(request: Request) -> dict[str, Any]:
     return {
         "pool_class": type(pool).__name__,
         "device": str(pool.device),
-        "dtype": dtype_name(pool.dtype),
+        "dtype": str(pool.dtype).removeprefix("torch."),
         "page_size": pool.page_size,
         "size_tokens": st.max_total_tokens,
         "used_tokens": st.used_tokens,

@@ -125,8 +125,11 @@ def test_a_retracted_request_recomputes_nothing(on: bool) -> None:
 
 @pytest.mark.parametrize("kinds", [["sparse_k_only"] * 3, ["dense", "sparse_k_only"], ["sparse_index_kv"] * 2,
                                    ["dense"] * 2, ["sparse_k_only", "sparse_index_kv", "dense"]])
-def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str]) -> None:
+@pytest.mark.parametrize("pieces", [False, True])  # (True: every copy moved 3 tokens at a time)
+def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], pieces: bool, monkeypatch) -> None:
     pool = MiniMaxSparseKVPool(64, torch.float32, kinds, 2, 8, 4)
+    if pieces:
+        monkeypatch.setattr(hicache, "STAGING_BYTES", 3 * bytes_per_token(pool))
     names = [(layer, b) for b in BUFFER_NAMES for layer in pool.layers_with(b)]
     for layer, b in names:
         pool.buffer(layer, b).normal_()
