@@ -125,9 +125,11 @@ def test_a_retracted_request_recomputes_nothing(on: bool) -> None:
 
 @pytest.mark.parametrize("kinds", [["sparse_k_only"] * 3, ["dense", "sparse_k_only"], ["sparse_index_kv"] * 2,
                                    ["dense"] * 2, ["sparse_k_only", "sparse_index_kv", "dense"]])
-@pytest.mark.parametrize("pieces", [False, True])  # (True: every copy moved 3 tokens at a time)
-def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], pieces: bool, monkeypatch) -> None:
-    pool = MiniMaxSparseKVPool(64, torch.float32, kinds, 2, 8, 4)
+@pytest.mark.parametrize(("dtype", "pieces"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
+def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], dtype, pieces: bool,
+                                                               monkeypatch) -> None:
+    """(pieces: every copy moves 3 tokens at a time.)"""
+    pool = MiniMaxSparseKVPool(64, dtype, kinds, 2, 8, 4)
     if pieces:
         monkeypatch.setattr(hicache, "STAGING_BYTES", 3 * bytes_per_token(pool))
     names = [(layer, b) for b in BUFFER_NAMES for layer in pool.layers_with(b)]
