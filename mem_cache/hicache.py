@@ -43,15 +43,15 @@ def _remove(path: Path) -> None:
 
 class HostKVPool:
     """Host memory for every device buffer, token-major: host slot s is row s of `data` ([size + 1,
-    bytes_per_token] bytes, pinned beside a GPU, row 0 unused), each buffer's bytes in turn: a copy either way is
-    one transfer (on CUDA one sync, not one per buffer), a disk page its rows as they lie. NOTE: left uninitialized
-    (a row is read only after it is written): on CPU its resident memory grows with what it holds."""
+    bytes_per_token] bytes, row 0 unused), each buffer's bytes in turn: a copy either way is one transfer (on CUDA
+    one sync, not one per buffer), a disk page its rows as they lie. NOTE: not pinned (a transfer's host end is a
+    gathered or scattered copy of rows, never `data` itself), and left uninitialized (a row is read only after it is
+    written): its resident memory grows with what it holds."""
 
     def __init__(self, pool: Any, size: int) -> None:
         self.buffers = pool_buffers(pool)
         self.bytes_per_token, self.bytes_per_token_by_kind = bytes_per_token(pool), pool.bytes_per_token_by_kind()
-        self.data = torch.empty((size + 1, self.bytes_per_token), dtype=torch.uint8,
-                                pin_memory=pool.device.type == "cuda")
+        self.data = torch.empty((size + 1, self.bytes_per_token), dtype=torch.uint8)
         self.allocator = TokenSlotAllocator(size, keep_sorted=False)
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:

@@ -87,7 +87,7 @@ def test_http_round_trip_on_cuda(tmp_path):
 
 
 def test_host_tier_on_cuda_gives_the_same_tokens():
-    """The hierarchical cache with the device pool on CUDA (pinned host buffers, copies each way): greedy
+    """The hierarchical cache with the device pool on CUDA (host rows, copies each way): greedy
     multi-turn conversations past the top-k window, identical to a pool that holds everything."""
     from tests.test_hicache import SMALL, conversations
 
