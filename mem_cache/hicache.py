@@ -154,7 +154,8 @@ class HiCache:
         self.host, self.write_policy = HostKVPool(pool, size), write_policy
         self.write_through = write_policy == "write_through"
         self.disk = DiskStore(storage_dir, fingerprint, self.host) if storage_dir else None
-        self.tree = RadixCache(self.host.allocator, on_evict=self._to_disk if self.disk and not self.write_through else None)
+        write_back_to_disk = self.disk is not None and not self.write_through
+        self.tree = RadixCache(self.host.allocator, on_evict=self._to_disk if write_back_to_disk else None)
         self.moved_bytes: Counter[str] = Counter()  # KV bytes copied, by direction
 
     def _alloc(self, n: int, keep: TreeNode) -> torch.Tensor | None:

@@ -231,7 +231,8 @@ class KVCacheManager:
         assert both.unique().numel() == both.numel(), "KVCacheManager: a slot is owned twice"
         total = self.allocator.available_size() + both.numel()
         assert total == self.size, f"KVCacheManager: slots leaked: free+owned+cached={total} != {self.size}"
-        assert self.req_to_token.size - self.req_to_token.available_size() == len(self._live), "KVCacheManager: request rows leaked"
+        rows_in_use = self.req_to_token.size - self.req_to_token.available_size()
+        assert rows_in_use == len(self._live), "KVCacheManager: request rows leaked"
         assert len({kv.row for kv in self._live}) == len(self._live), "KVCacheManager: two requests share a row"
         for kv in self._live:
             assert 0 <= kv.cached <= kv.num_computed <= self.req_to_token.max_context_len, (
