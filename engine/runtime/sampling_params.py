@@ -14,12 +14,11 @@ MAX_N = 128  # upper bound on `n` (parallel samples per prompt)
 GREEDY_EPS = 1e-6  # temperatures below this are greedy decoding (SGLang sets top_k=1 there)
 
 _INT_FIELDS = frozenset({"max_new_tokens", "min_new_tokens", "top_k", "n", "sampling_seed", "stream_interval"})
-_FLOAT_FIELDS = frozenset({"temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-                           "repetition_penalty"})
-_TYPED_FIELDS = {**dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"),
+_TYPED_FIELDS = {**dict.fromkeys(("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+                                  "repetition_penalty"), ((int, float), "a number")),  # a bool is not a number
+                 **dict.fromkeys(("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"),
                                  (bool, "a boolean")),
                  **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), (str, "a string"))}
-_STR_LIST_FIELDS = frozenset({"stop", "stop_regex"})
 
 
 def _is_number(v: Any) -> bool:
@@ -39,16 +38,12 @@ def _coerce(name: str, v: Any) -> Any:
     makes a stop string a list)."""
     if name in _INT_FIELDS:
         return _as_int(name, v)
-    if name in _FLOAT_FIELDS:
-        if not _is_number(v):
-            raise ValueError(f"{name} must be a number, got {v!r}.")
-        return v  # kept as given so that error messages print it the way the client sent it
     if name in _TYPED_FIELDS:
         kind, what = _TYPED_FIELDS[name]
-        if not isinstance(v, kind):
+        if not isinstance(v, kind) or (isinstance(v, bool) and kind is not bool):
             raise ValueError(f"{name} must be {what}, got {v!r}.")
-        return v
-    if name in _STR_LIST_FIELDS:
+        return v  # a number kept as given so that error messages print it the way the client sent it
+    if name in ("stop", "stop_regex"):
         if not (isinstance(v, str) or isinstance(v, (list, tuple)) and all(isinstance(s, str) for s in v)):
             raise ValueError(f"{name} must be a string or a list of strings, got {v!r}.")
         return v
