@@ -48,8 +48,7 @@ def plan_prompt_rows(req: Req, prefix: int, n: int, offset: int, rows: list[int]
     end = prefix + n
     lo, hi = max(prefix, lp.logprob_start_len - 1), min(end, p - 1)
     rows.extend(offset + j - prefix for j in range(lo, hi))
-    if end >= p:
-        req.prompt_logprobs_done = True
+    req.prompt_logprobs_done = end >= p
     return PromptRows(first, [req.prompt_ids[j + 1] for j in range(lo, hi)], prefix == 0 and lp.logprob_start_len == 0)
 
 

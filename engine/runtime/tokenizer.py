@@ -151,10 +151,8 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._prefix_offset)
         if len(full_text) <= len(prefix_text) or (not final and full_text.endswith(REPLACEMENT_CHAR)):
             return ""
-        delta = full_text[len(prefix_text) :]
-        self._prefix_offset = self._read_offset
-        self._read_offset = len(self._ids)
-        return delta
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return full_text[len(prefix_text) :]
 
     def add(self, new_ids: list[int]) -> str:
         """Append ids; return the newly completed text (possibly empty)."""
