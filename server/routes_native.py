@@ -131,10 +131,8 @@ class NativeShaper:
             self._pending[i] = out
             return None
         self._sent[i] = out.completion_tokens
-        if self.incremental:
-            body = self._shape(i, out, out.new_text, out.new_ids, out.logprobs)
-        else:
-            body = self.body(i, self.sub.joined[i])
+        body = (self._shape(i, out, out.new_text, out.new_ids, out.logprobs) if self.incremental
+                else self.body(i, self.sub.joined[i]))
         if not self.single:
             body["index"] = i
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
