@@ -175,8 +175,6 @@ class JoinedOutput:
 
 
 # ---- validation: run on a whole batch before any of it is queued ------------------------------------------
-
-
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int
