@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ class ServerArgs:
 
     def flat(self) -> dict[str, Any]:
         """Every flag, engine ones included, as one flat dict (what /server_info shows)."""
-        out = dataclasses.asdict(self.engine)
+        out = asdict(self.engine)
         out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"})
         out["model_path"] = str(Path(self.engine.model_path).resolve())
         if self.engine.tokenizer_path:
