@@ -101,10 +101,9 @@ class Submission:
             return
         self._open.discard(i)
         res = self.joined[i]
-        last = res.last
-        reason = ((last.finish_reason or {}).get("type") if last and last.finished else "client_gone")
-        log_access(res.rid, last.prompt_tokens if last else "-", len(res.output_ids), time.monotonic() - self.started,
-                   status, reason, self.route)
+        reason = (res.finish_reason or {}).get("type") if res.finished else "client_gone"
+        log_access(res.rid, res.last.prompt_tokens if res.last else "-", len(res.output_ids),
+                   time.monotonic() - self.started, status, reason, self.route)
 
 
 def log_access(rid: str, prompt_tokens: int | str, completion_tokens: int, latency: float, status: int,
