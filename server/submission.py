@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from contextlib import suppress
 from functools import partial
 from typing import Any
@@ -130,19 +130,17 @@ class SSEResponse(StreamingResponse):
     """text/event-stream of `frames`; afterwards (done, client gone, error) the frames' generator is
     closed and the submission's unfinished sequences aborted, even if no frame was ever produced."""
 
-    def __init__(self, frames: AsyncIterator[str], submission: Submission) -> None:
+    def __init__(self, frames: AsyncGenerator[str, None], submission: Submission) -> None:
         super().__init__(frames, media_type="text/event-stream",
                          headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        self.submission = submission
+        self.frames, self.submission = frames, submission
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                aclose = getattr(self.body_iterator, "aclose", None)
-                if aclose is not None:
-                    await aclose()
+                await self.frames.aclose()
             self.submission.close()
 
 
