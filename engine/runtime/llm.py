@@ -44,12 +44,11 @@ class LLM:
                 for p, sp in zip(prompts, sampling_list)]
         order = [rid for rids in self.engine.add_requests(reqs) for rid in rids]
         results = {rid: JoinedOutput(rid) for rid in order}
-        bar = tqdm(total=len(order), desc="generate", disable=not progress)
-        while not all(r.finished for r in results.values()):
-            for out in self.engine.step():
-                results[out.rid].add(out)
-                bar.update(int(out.finished))
-        bar.close()
+        with tqdm(total=len(order), desc="generate", disable=not progress) as bar:
+            while not all(r.finished for r in results.values()):
+                for out in self.engine.step():
+                    results[out.rid].add(out)
+                    bar.update(int(out.finished))
         return [self._to_dict(results[rid]) for rid in order]
 
     @staticmethod
