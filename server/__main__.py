@@ -70,8 +70,7 @@ def bind(host: str, port: int) -> socket.socket:
     """Take the port before the model loads, so a port in use fails at once, naming it. NOTE: uvicorn binds the
     port itself once this socket is closed (a socket handed to it resets connections that send a body past an
     early response, e.g. a 413)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

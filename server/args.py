@@ -35,8 +35,7 @@ class ServerArgs:
 
     def flat(self) -> dict[str, Any]:
         """Every flag, engine ones included, as one flat dict (what /server_info shows)."""
-        out = asdict(self.engine)
-        out.update({f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"})
+        out = asdict(self.engine) | {f.name: getattr(self, f.name) for f in fields(self) if f.name != "engine"}
         out["model_path"] = str(Path(self.engine.model_path).resolve())
         if self.engine.tokenizer_path:
             out["tokenizer_path"] = str(Path(self.engine.tokenizer_path).resolve())
