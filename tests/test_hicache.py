@@ -6,6 +6,7 @@ after every step. A stale or missing buffer of any kind changes the tokens (chec
 from __future__ import annotations
 
 import logging
+import math
 import random
 import re
 from pathlib import Path
@@ -125,11 +126,13 @@ def test_a_retracted_request_recomputes_nothing(on: bool) -> None:
 
 @pytest.mark.parametrize("kinds", [["sparse_k_only"] * 3, ["dense", "sparse_k_only"], ["sparse_index_kv"] * 2,
                                    ["dense"] * 2, ["sparse_k_only", "sparse_index_kv", "dense"]])
-@pytest.mark.parametrize(("dtype", "pieces"), [(torch.float32, False), (torch.float32, True), (torch.bfloat16, True)])
-def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], dtype, pieces: bool,
+@pytest.mark.parametrize(("dtype", "pieces", "dims"), [(torch.float32, False, (8, 4)), (torch.float32, True, (8, 4)),
+                                                      (torch.bfloat16, True, (8, 4)), (torch.bfloat16, False, (3, 3))])
+def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], dtype, pieces: bool, dims,
                                                                monkeypatch) -> None:
-    """(pieces: every copy moves 3 tokens at a time.)"""
-    pool = MiniMaxSparseKVPool(64, dtype, kinds, 2, 8, 4)
+    """(pieces: every copy moves 3 tokens at a time. dims (3, 3) in bfloat16: a token's K is 12 bytes and its index K
+    6, so the host rows move as 4- or 2-byte words.)"""
+    pool = MiniMaxSparseKVPool(64, dtype, kinds, 2, *dims)
     if pieces:
         monkeypatch.setattr(hicache, "STAGING_BYTES", 3 * bytes_per_token(pool))
     names = [(layer, b) for b in BUFFER_NAMES for layer in pool.layers_with(b)]
@@ -137,6 +140,8 @@ def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], 
         pool.buffer(layer, b).normal_()
     hc = HiCache(pool, 32)
     assert bytes_per_token(pool) == pool.bytes_per_token() == hc.host.bytes_per_token
+    word = math.gcd(8, *(pool.buffer(*n)[0].nbytes for n in names))
+    assert hc.host.data.element_size() == word and (word < 8) == (dims == (3, 3))
     tokens, first = list(range(100, 120)), torch.arange(1, 21)
     before = {n: pool.buffer(*n)[first].clone() for n in names}
     hc.save(tokens, first)
