@@ -61,7 +61,8 @@ class Metrics:
         self.queue_time = histogram("queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS)
         reg.register(self)  # its collect() gives the engine gauges
         self._reqs: dict[str, _ReqTimes] = {}
-        self._recent: deque[tuple[float, int]] = deque()  # (time, generated tokens) for gen_throughput
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated before then) for gen_throughput
+        self._generated = 0  # (so the window's tokens are a difference, not a sum over it at every output)
         self._prompt_total = self._cached_total = 0
 
     def collect(self) -> Any:
@@ -122,7 +123,8 @@ class Metrics:
             else:
                 self._itl(now - t.last_token, new)
             t.last_token, t.seen_tokens = now, out.completion_tokens
-            self._recent.append((now, new))
+            self._recent.append((now, self._generated))
+            self._generated += new
             self.gen_throughput(now)  # prunes the window
         if out.finished:
             del self._reqs[out.rid]
@@ -146,7 +148,7 @@ class Metrics:
         now = time.monotonic() if now is None else now
         while self._recent and self._recent[0][0] < now - THROUGHPUT_WINDOW_S:
             self._recent.popleft()
-        return sum(n for _, n in self._recent) / THROUGHPUT_WINDOW_S
+        return (self._generated - self._recent[0][1]) / THROUGHPUT_WINDOW_S if self._recent else 0.0
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

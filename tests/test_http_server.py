@@ -16,6 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from engine.runtime.request import RequestOutput
+from server.metrics import THROUGHPUT_WINDOW_S, Metrics
 from tests.http_utils import generate, sse_frames, stream, wait_pool_idle
 from tests.server_utils import ROOT, TINY, free_port, live_server, start_server
 
@@ -216,3 +218,16 @@ def test_start_without_a_tokenizer_fails_naming_both_flags(tmp_path: Path):
     assert "--tokenizer-path" in out and "--skip-tokenizer-init" in out
     assert "Traceback" not in out
     assert json.loads((tmp_path / "config.json").read_text())["model_type"] == "minimax_m3"
+
+
+def test_gen_throughput_counts_the_window_only() -> None:
+    """gen_throughput: the tokens generated in the last THROUGHPUT_WINDOW_S seconds over the window, as a sum of
+    the outputs' deltas would give (older outputs pruned, later ones counted)."""
+    m = Metrics("m", engine=None)
+    m.on_submit(["a", "b"], 0.0)
+    done = {"a": 0, "b": 0}
+    for t, rid, n in [(1.0, "a", 3), (2.0, "b", 5), (4.0, "a", 2), (12.5, "b", 7), (13.0, "a", 1)]:
+        done[rid] += n
+        m.observe(RequestOutput(rid, [5] * n, "", None, done[rid], 4, 0), t)
+    assert m.gen_throughput(13.0) == (2 + 7 + 1) / THROUGHPUT_WINDOW_S  # (t=1 and t=2 fell out of the window)
+    assert m.gen_throughput(30.0) == 0.0
