@@ -1,5 +1,6 @@
 """`make bench-multiturn`: a bench_multiturn-style workload against the server with the hierarchical KV cache off,
-then on, in one run. N clients, R rounds with a barrier between them; in each round every client sends, in a random
+and on, in one run (both servers up; passes of the whole workload alternate between them, each from an empty
+cache, and each figure pools a server's passes: this machine's speed drifts by 10-20% over a minute). N clients, R rounds with a barrier between them; in each round every client sends, in a random
 order, its whole conversation so far plus L new tokens and asks for o greedy tokens (streamed). The conversations
 together hold about 4x the device pool, one of them fits in it. Then, offline: a retraction forced with the tier on
 (tokens recomputed), and the disk tier against recomputing, per prompt length. Writes docs/benchmarks/multiturn.json.
@@ -93,7 +94,7 @@ def flags(a: argparse.Namespace, tier: bool) -> list[str]:
 
 
 def serve(a: argparse.Namespace, srv) -> dict:
-    """The conversations against one server (the other one idle)."""
+    """One pass of the conversations against one server (the other one idle), from an empty cache."""
     with srv.client() as c:
         warm = [random.Random(1).randrange(5, 4000) for _ in range(300)]
         c.post("/generate", json={"input_ids": warm, "sampling_params": {"max_new_tokens": 4}})
@@ -102,25 +103,38 @@ def serve(a: argparse.Namespace, srv) -> dict:
         start = time.perf_counter()
         rounds = asyncio.run(conversations(srv.url, a))
         seconds = time.perf_counter() - start
-        rss_growth = rss(srv.proc.pid) - rss_before
         pools, metrics = c.get("/pools").json(), c.get("/metrics").text
-    turns = [t for r in rounds for t in r]
-    returning = [t for r in rounds[1:] for t in r]
-    hits = {m[0]: float(m[1]) for m in re.findall(r'sglang:cache_hit_tokens_total\{.*tier="(\w+)"\} (\S+)', metrics)}
+    return {"rounds": rounds, "seconds": seconds, "rss_before": rss_before, "rss_after": rss(srv.proc.pid),
+            "pools": pools, "metrics": metrics}
+
+
+def summary(passes: list[dict]) -> dict:
+    """One server's figures over all of its passes (each turn of each pass counted once)."""
+    rounds = [[t for p in passes for t in p["rounds"][r]] for r in range(len(passes[0]["rounds"]))]
+    turns, returning = [t for r in rounds for t in r], [t for r in rounds[1:] for t in r]
+    seconds = sum(p["seconds"] for p in passes)
+    last = passes[-1]
+    hits = {m[0]: float(m[1]) for m in re.findall(r'sglang:cache_hit_tokens_total\{.*tier="(\w+)"\} (\S+)',
+                                                  last["metrics"])}
+    outputs = [[t["output_ids"] for r in p["rounds"] for t in sorted(r, key=lambda t: t["client"])] for p in passes]
+    assert all(o == outputs[0] for o in outputs), "two passes of one server gave different greedy tokens"
     return {
-        "seconds": seconds, "output_tok_s": sum(len(t["output_ids"]) for t in turns) / seconds,
+        "passes": len(passes), "seconds": seconds, "output_tok_s": sum(len(t["output_ids"]) for t in turns) / seconds,
         "requests_s": len(turns) / seconds,
         "round0_ttft_mean_s": statistics.mean(t["ttft"] for t in rounds[0]),
         "returning_ttft_mean_s": statistics.mean(t["ttft"] for t in returning),
         "returning_ttft_p90_s": percentile([t["ttft"] for t in returning], 90),
+        "returning_ttft_mean_s_by_pass": [statistics.mean(t["ttft"] for r in p["rounds"][1:] for t in r)
+                                          for p in passes],
         "itl_median_s": statistics.median(g for t in turns for g in t["gaps"]),
         "itl_mean_s": statistics.mean(g for t in turns for g in t["gaps"]),
         "hit_rate_by_round": [sum(t["cached"] for t in r) / sum(t["prompt"] for t in r) for r in rounds],
         "ceiling_by_round": [sum(t["ceiling"] for t in r) / sum(t["prompt"] for t in r) for r in rounds],
         "hit_of_ceiling": sum(t["cached"] for t in returning) / sum(t["ceiling"] for t in returning),
-        "hit_tokens_by_tier": hits, "host_tier": pools["host_tier"], "rss_growth_bytes": rss_growth,
-        "device_leak_free": pools["used_tokens"] == pools["evictable_tokens"],
-        "outputs": [t["output_ids"] for r in rounds for t in sorted(r, key=lambda t: t["client"])],
+        "hit_tokens_by_tier": hits, "host_tier": last["pools"]["host_tier"],
+        "rss_growth_bytes": last["rss_after"] - passes[0]["rss_before"],
+        "device_leak_free": last["pools"]["used_tokens"] == last["pools"]["evictable_tokens"],
+        "outputs": outputs[0],
     }
 
 
@@ -170,6 +184,7 @@ def main() -> None:
     p.add_argument("--hicache-gb", type=float, default=0.12)
     p.add_argument("--policy", default="write_through")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--passes", type=int, default=2, help="passes of the conversations per server, alternating")
     p.add_argument("--json", default=str(ROOT / "docs" / "benchmarks" / "multiturn.json"))
     a = p.parse_args()
     total = a.clients * a.rounds * (a.new + a.out)
@@ -177,7 +192,11 @@ def main() -> None:
           f"{total / a.pool:.1f}x the {a.pool}-token device pool; one conversation {total // a.clients}")
     with ExitStack() as stack:  # (both servers up; the idle one sleeps in a blocking wait)
         servers = [stack.enter_context(live_server(*flags(a, tier), wait=600)) for tier in (False, True)]
-        off, on = serve(a, servers[0]), serve(a, servers[1])
+        passes: list[list[dict]] = [[], []]
+        for _ in range(a.passes):  # (alternating: both servers' passes spread over the same stretch of time)
+            for i, srv in enumerate(servers):
+                passes[i].append(serve(a, srv))
+        off, on = summary(passes[0]), summary(passes[1])
         alone_ms: list[list[float]] = [[], []]
         for _ in range(4):  # (interleaved: the two servers' figures on the same machine states)
             for i, srv in enumerate(servers):
@@ -206,8 +225,9 @@ def main() -> None:
     out["targets"] = {name: ok for name, ok in targets}
     for name, key in (("tier off", "tier_off"), ("tier on", "tier_on")):
         d = out[key]
-        print(f"{name:8s}: {d['seconds']:6.1f} s, {d['output_tok_s']:6.1f} tok/s, TTFT round 0 "
-              f"{d['round0_ttft_mean_s'] * 1e3:6.0f} ms, returning mean {d['returning_ttft_mean_s'] * 1e3:6.0f} ms p90 "
+        print(f"{name:8s}: {d['passes']} passes, {d['seconds']:6.1f} s, {d['output_tok_s']:6.1f} tok/s, TTFT round 0 "
+              f"{d['round0_ttft_mean_s'] * 1e3:6.0f} ms, returning mean {d['returning_ttft_mean_s'] * 1e3:6.0f} ms ("
+              f"{' / '.join(f'{m * 1e3:.0f}' for m in d['returning_ttft_mean_s_by_pass'])} by pass) p90 "
               f"{d['returning_ttft_p90_s'] * 1e3:6.0f} ms, decode alone {d['decode_s_per_token'] * 1e3:5.2f} ms/token "
               f"(median "
               f"gap in the rounds {d['itl_median_s'] * 1e3:5.1f} ms), "
