@@ -54,13 +54,15 @@ class HostKVPool:
     def __init__(self, pool: Any, size: int) -> None:
         self.buffers = pool_buffers(pool)
         self.bytes_per_token, self.bytes_per_token_by_kind = bytes_per_token(pool), pool.bytes_per_token_by_kind()
-        width = math.gcd(8, *(d[0].nbytes for *_, d in self.buffers))
+        width = math.gcd(8, *(n * d.element_size() for *_, d in self.buffers for n in
+                              (d[0].numel(), d.stride(0), d.storage_offset())))  # (a row, a row's stride, the start)
         self.word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
         self.data = torch.empty((size + 1, self.bytes_per_token // width), dtype=self.word)
         self.allocator = TokenSlotAllocator(size, keep_sorted=False)
+        self.widths = [self.words(d).shape[1] for *_, d in self.buffers]  # (a buffer whose rows cannot: fails here)
 
     def words(self, t: torch.Tensor) -> torch.Tensor:
-        """A contiguous tensor's rows as words."""
+        """A buffer's rows (each contiguous) as words."""
         return t.view(len(t), -1).view(self.word)
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
@@ -71,13 +73,14 @@ class HostKVPool:
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         for dev, host in self._pieces(device_slots, host_slots):
             rows = self.data.index_select(0, host).to(dev.device, non_blocking=True)
-            for (*_, d), part in zip(self.buffers, rows.split([self.words(d).shape[1] for *_, d in self.buffers], 1)):
+            for (*_, d), part in zip(self.buffers, rows.split(self.widths, dim=1)):
                 self.words(d).index_copy_(0, dev, part)
 
     def _pieces(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
         """(device slots, host slots) in pieces whose rows take at most STAGING_BYTES on the device."""
-        step, dev = max(1, STAGING_BYTES // self.bytes_per_token), device_slots.to(self.buffers[0][2].device)
-        return ((dev[i:i + step], host_slots[i:i + step]) for i in range(0, len(dev), step))
+        step, host = max(1, STAGING_BYTES // self.bytes_per_token), host_slots.long()  # (index_copy_ takes int64 only)
+        dev = device_slots.to(self.buffers[0][2].device, torch.int64)
+        return ((dev[i:i + step], host[i:i + step]) for i in range(0, len(dev), step))
 
 
 class DiskStore:

@@ -156,6 +156,36 @@ def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], 
     assert hc.check_integrity()
 
 
+def test_buffers_that_are_views_of_one_allocation_round_trip() -> None:
+    """A pool whose K and V are slices of one fused tensor (rows of 12 bytes, 24 apart) and whose index K starts 2
+    bytes into its allocation (rows of 8): the host rows move as 2-byte words, not the 4 the row sizes allow, and
+    int32 slots (a table row's) are taken."""
+    fused = torch.randn(33, 2, 2, 3, dtype=torch.bfloat16)  # [slots, K | V, heads, dim]
+    flat = torch.randn(1 + 33 * 4, dtype=torch.float16)[1:].view(33, 4)
+
+    class FusedPool:
+        buffers = {(0, "key"): fused[:, 0], (0, "value"): fused[:, 1], (1, "index_key"): flat}
+
+        def layers_with(self, name: str) -> list[int]:
+            return sorted(layer for layer, n in self.buffers if n == name)
+
+        def buffer(self, layer: int, name: str) -> torch.Tensor:
+            return self.buffers[(layer, name)]
+
+        def bytes_per_token_by_kind(self) -> dict:
+            return {}
+
+    host = hicache.HostKVPool(FusedPool(), 16)
+    assert host.data.element_size() == 2 and host.bytes_per_token == 12 + 12 + 8
+    before = {k: v.clone() for k, v in FusedPool.buffers.items()}
+    first, second = torch.tensor([1, 2, 3], dtype=torch.int32), torch.tensor([7, 8, 9])
+    host.save(first, torch.tensor([4, 5, 6], dtype=torch.int32))
+    fused.zero_()
+    flat.zero_()
+    host.load(torch.tensor([4, 5, 6]), second)
+    assert all(torch.equal(FusedPool.buffers[k][second], before[k][first.long()]) for k in before)
+
+
 def test_mem_cache_asks_the_pool_what_it_has_instead_of_checking_classes() -> None:
     for path in (Path(__file__).parents[1] / "mem_cache").glob("*.py"):
         source = path.read_text()
