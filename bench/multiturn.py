@@ -18,7 +18,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import AsyncIterator
-from contextlib import ExitStack
+from contextlib import AsyncExitStack, ExitStack, aclosing
 from pathlib import Path
 
 import httpx
@@ -106,12 +106,14 @@ def serve(a: argparse.Namespace, servers: list) -> list[dict]:
             rss_before.append(rss(srv.proc.pid))
 
     async def rounds() -> tuple[list[list[list[dict]]], list[float]]:
-        runs, done, seconds = [conversations(s.url, a) for s in servers], [[] for _ in servers], [0.0] * len(servers)
-        for _ in range(a.rounds):
-            for i, run in enumerate(runs):
-                start = time.perf_counter()
-                done[i].append(await anext(run))
-                seconds[i] += time.perf_counter() - start
+        done, seconds = [[] for _ in servers], [0.0] * len(servers)
+        async with AsyncExitStack() as stack:  # (each server's client closed when its conversations are done)
+            runs = [await stack.enter_async_context(aclosing(conversations(s.url, a))) for s in servers]
+            for _ in range(a.rounds):
+                for i, run in enumerate(runs):
+                    start = time.perf_counter()
+                    done[i].append(await anext(run))
+                    seconds[i] += time.perf_counter() - start
         return done, seconds
 
     done, seconds = asyncio.run(rounds())
@@ -147,7 +149,8 @@ def summary(passes: list[dict]) -> dict:
         "hit_rate_by_round": [sum(t["cached"] for t in r) / sum(t["prompt"] for t in r) for r in rounds],
         "ceiling_by_round": [sum(t["ceiling"] for t in r) / sum(t["prompt"] for t in r) for r in rounds],
         "hit_of_ceiling": sum(t["cached"] for t in returning) / sum(t["ceiling"] for t in returning),
-        "hit_tokens_by_tier": hits, "host_tier": last["pools"]["host_tier"],
+        # (the server's lifetime counters, /flush_cache does not reset them: every pass and the warm-up requests)
+        "hit_tokens_by_tier_all_passes": hits, "host_tier": last["pools"]["host_tier"],
         "rss_growth_bytes": last["rss_after"] - passes[0]["rss_before"],
         "device_leak_free": last["pools"]["used_tokens"] == last["pools"]["evictable_tokens"],
         "outputs": outputs[0],
@@ -250,7 +253,7 @@ def main() -> None:
         print("          hit rate by round " + " ".join(f"{h:.2f}/{c:.2f}" for h, c in
                                                        zip(d["hit_rate_by_round"], d["ceiling_by_round"])))
     print(f"on/off: {json.dumps({k: round(v, 3) for k, v in r.items()})}")
-    print(f"bytes moved {on['host_tier']['moved_bytes']}; host tier {host_bytes / 1e6:.1f} MB ("
+    print(f"bytes moved (all passes) {on['host_tier']['moved_bytes']}; host tier {host_bytes / 1e6:.1f} MB ("
           f"{on['host_tier']['used_tokens']} tokens held), RSS growth over the rounds {rss_growth / 1e6:.1f} MB (tier "
           f"off: {off['rss_growth_bytes'] / 1e6:.1f} MB); forced retraction {out['forced_retraction']}")
     for row in out["disk_against_recompute"]:
