@@ -192,7 +192,11 @@ class HiCache:
         n = len(tokens) - have.numel()
         if n <= 0 or (new := self._alloc(n, node)) is None:
             return
-        self.host.save(device_slots[have.numel():], new)
+        try:  # (a copy that fails, e.g. out of device memory for its staging rows, only leaves the prefix unkept)
+            self.host.save(device_slots[have.numel():], new)
+        except Exception:  # noqa: BLE001 - the device tree and the request go on whole
+            logger.exception("hicache: saving %d tokens to the host tier failed; they are not kept below", n)
+            return self.host.allocator.free(new)
         self.moved_bytes["device_to_host"] += n * self.host.bytes_per_token
         self._insert(tokens, slots := torch.cat([have, new]), node)
         if self.write_through:

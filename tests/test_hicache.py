@@ -265,6 +265,23 @@ def test_a_failed_step_caches_nothing_on_any_tier() -> None:
     assert engine.stats().cached_tokens == 0 == engine.stats().host_tier["used_tokens"] and engine.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_a_failed_copy_to_the_host_keeps_serving_the_same_tokens(reference, policy: str, monkeypatch,
+                                                                 caplog) -> None:
+    """A save that raises (on a GPU: out of memory for its staging rows) at release or at eviction: logged, nothing
+    kept below, the tokens the same (recomputed), integrity after every step."""
+    engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_write_policy=policy)
+
+    def out_of_memory(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(tier(engine).host, "save", out_of_memory)
+    with caplog.at_level(logging.ERROR, logger="mem_cache.hicache"):
+        assert conversations(engine) == reference
+    assert "saving" in caplog.text and tier(engine).host.allocator.used_size() == 0 and engine.check_integrity()
+    assert engine.stats().hit_tokens["host"] == 0
+
+
 def test_the_host_tier_is_capped_at_half_the_memory_available(monkeypatch, caplog) -> None:
     from engine.runtime import setup
 
