@@ -140,9 +140,8 @@ class RadixCache:
         if self._protected:
             raise RuntimeError(f"RadixCache.flush: {self._protected} tokens are locked by running requests; "
                                "finish or abort them first")
-        nodes = list(self.nodes())
-        self.allocator.free(self._cat([n.value for n in nodes]))
-        for n in nodes:
+        self.allocator.free(self.all_slots())
+        for n in self.nodes():
             n.parent = None
         self.root.children.clear()
         self._evictable = 0
