@@ -72,8 +72,7 @@ def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows:
     """The keys and values gathered (copies), then SDPA (any device and dtype), `keep` given as an additive bias
     (NOTE: CPU SDPA converts a bool mask on every call)."""
     d = q.shape[-1]
-    k = k_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
-    v = v_buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d)
+    k, v = (buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d) for buf in (k_buf, v_buf))
     bias = torch.zeros(keep.shape, dtype=q.dtype, device=keep.device).masked_fill(~keep, NEG_INF)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
 
