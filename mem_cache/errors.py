@@ -21,5 +21,4 @@ class MissingBufferError(LookupError):
 
     def __init__(self, message: str, layer_id: int, buffer: str) -> None:
         super().__init__(message)
-        self.layer_id = layer_id
-        self.buffer = buffer
+        self.layer_id, self.buffer = layer_id, buffer
