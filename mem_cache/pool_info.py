@@ -22,7 +22,6 @@ LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
 # Buffer names used by the introspection API and GET /pools/layers (http_api.md §6).
 BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")
 
-# Which buffers each layer kind has.
 KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({
     DENSE: frozenset({"key", "value"}),
     SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
