@@ -103,9 +103,8 @@ def init_dummy_weights(model: MiniMaxM3Model, seed: int = 0) -> None:
             if p.dim() < 2 or name.endswith("router_bias"):
                 p.zero_()
                 continue
-            std = 2.0 / math.sqrt(p.shape[-1]) if name == "lm_head" else 1.0 / math.sqrt(p.shape[-1])
-            if name.endswith("embed_tokens.weight"):
-                std = 1.0
+            gain = 2.0 if name == "lm_head" else 1.0
+            std = 1.0 if name.endswith("embed_tokens.weight") else gain / math.sqrt(p.shape[-1])
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
