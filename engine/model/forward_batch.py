@@ -88,5 +88,4 @@ class DecodeBatch:
 
     def key_visible(self) -> torch.Tensor:
         """[B, N] bool: key j exists for row r (j <= its position)."""
-        n = self.key_slots.shape[1]
-        return torch.arange(n, device=self.key_slots.device)[None, :] <= self.positions[:, None]
+        return torch.arange(self.key_slots.shape[1], device=self.key_slots.device)[None, :] <= self.positions[:, None]
