@@ -81,10 +81,9 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         loc = self.buffer_location(layer_id, buffer)
         if loc is not None:
             return loc
-        kind = self.layer_kinds[layer_id]
         owners = self.layers_with(buffer)
         what = "an index key buffer" if buffer == "index_key" else "an index value buffer"
-        if kind == DENSE:
+        if self.layer_kinds[layer_id] == DENSE:
             why, instead = "dense (no indexer, no index buffers)", f"get_kv_buffer({layer_id}) for its main K/V"
         else:
             why = "sparse_k_only (score-only sparse layer, sparse_disable_index_value set: no index V is stored)"
