@@ -20,8 +20,7 @@ class TokenSlotAllocator:
         self.size, self.device, self.keep_sorted = size, torch.device(device), keep_sorted
         # NOTE: index = slot; entry 0 (the padding slot) is always False and never in the free list.
         self._allocated = torch.zeros(size + 1, dtype=torch.bool, device=self.device)
-        self._free = torch.empty(0, dtype=torch.int64, device=self.device)
-        self.clear()
+        self.clear()  # (sets the free list)
 
     def available_size(self) -> int:
         return self._free.numel()
