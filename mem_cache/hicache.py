@@ -226,9 +226,15 @@ class HiCache:
         self.tree.inc_lock_ref(node)
         return slots, node, slots.numel() - found
 
-    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
-        self.host.load(host_slots, device_slots)
+    def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> bool:
+        """Copy host slots' KV into device slots; False when the copy failed (logged: the caller recomputes)."""
+        try:
+            self.host.load(host_slots, device_slots)
+        except Exception:  # noqa: BLE001 - e.g. out of device memory for the staging rows
+            logger.exception("hicache: loading %d tokens from the host tier failed; recomputing them", len(host_slots))
+            return False
         self.moved_bytes["host_to_device"] += host_slots.numel() * self.host.bytes_per_token
+        return True
 
     def unlock(self, node: TreeNode) -> None:
         self.tree.dec_lock_ref(node)

@@ -172,11 +172,13 @@ class KVCacheManager:
         if n > 0 and self.can_allocate(n):
             self.radix.evict(n - self.allocator.available_size())
             new = self.allocator.alloc(n)
-            self.hicache.load(host[have:], new)
-            self.radix.cache_finished_req(tokens[:have + n], torch.cat([slots, new]), node)
-            slots, node = self.radix.match_prefix(tokens)
-            self.radix.inc_lock_ref(node)
-            found.update(host=n - min(from_disk, n), disk=min(from_disk, n))
+            if self.hicache.load(host[have:], new):
+                self.radix.cache_finished_req(tokens[:have + n], torch.cat([slots, new]), node)
+                slots, node = self.radix.match_prefix(tokens)
+                self.radix.inc_lock_ref(node)
+                found.update(host=n - min(from_disk, n), disk=min(from_disk, n))
+            else:  # (a failed copy, logged: the rest of the prefix is recomputed)
+                self.allocator.free(new)
         self.hicache.unlock(host_node)
         return slots, node
 

@@ -265,21 +265,22 @@ def test_a_failed_step_caches_nothing_on_any_tier() -> None:
     assert engine.stats().cached_tokens == 0 == engine.stats().host_tier["used_tokens"] and engine.check_integrity()
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_back"])
-def test_a_failed_copy_to_the_host_keeps_serving_the_same_tokens(reference, policy: str, monkeypatch,
-                                                                 caplog) -> None:
-    """A save that raises (on a GPU: out of memory for its staging rows) at release or at eviction: logged, nothing
-    kept below, the tokens the same (recomputed), integrity after every step."""
+@pytest.mark.parametrize(("policy", "failing"), [("write_through", "save"), ("write_back", "save"),
+                                                ("write_through", "load")])
+def test_a_failed_copy_between_the_tiers_keeps_serving_the_same_tokens(reference, policy: str, failing: str,
+                                                                        monkeypatch, caplog) -> None:
+    """A copy that raises (on a GPU: out of memory for its staging rows): a save at release or at eviction, or a
+    load at admission. Logged, the tokens the same (recomputed), integrity after every step, no host hit."""
     engine = make_engine(max_total_tokens=SMALL, enable_hierarchical_cache=True, hicache_write_policy=policy)
 
     def out_of_memory(*args, **kwargs):
         raise RuntimeError("out of memory")
 
-    monkeypatch.setattr(tier(engine).host, "save", out_of_memory)
+    monkeypatch.setattr(tier(engine).host, failing, out_of_memory)
     with caplog.at_level(logging.ERROR, logger="mem_cache.hicache"):
         assert conversations(engine) == reference
-    assert "saving" in caplog.text and tier(engine).host.allocator.used_size() == 0 and engine.check_integrity()
-    assert engine.stats().hit_tokens["host"] == 0
+    assert failing.rstrip("e") + "ing" in caplog.text and engine.check_integrity() and engine.stats().hit_tokens["host"] == 0
+    assert (tier(engine).host.allocator.used_size() == 0) == (failing == "save")
 
 
 def test_the_host_tier_is_capped_at_half_the_memory_available(monkeypatch, caplog) -> None:
