@@ -59,27 +59,23 @@ class HostKVPool:
         self.word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
         self.data = torch.empty((size + 1, self.bytes_per_token // width), dtype=self.word)
         self.allocator = TokenSlotAllocator(size, keep_sorted=False)
-        self.widths = [self.words(d).shape[1] for *_, d in self.buffers]  # (a buffer whose rows cannot: fails here)
-
-    def words(self, t: torch.Tensor) -> torch.Tensor:
-        """A buffer's rows (each contiguous) as words."""
-        return t.view(len(t), -1).view(self.word)
+        # each buffer's rows (each contiguous) as words, viewed once (a buffer whose rows cannot be: fails here)
+        self.rows = [d.view(len(d), -1).view(self.word) for *_, d in self.buffers]
 
     def save(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> None:
         for dev, host in self._pieces(device_slots, host_slots):
-            rows = torch.cat([self.words(d).index_select(0, dev) for *_, d in self.buffers], dim=1)
-            self.data.index_copy_(0, host, rows.cpu())
+            self.data.index_copy_(0, host, torch.cat([r.index_select(0, dev) for r in self.rows], dim=1).cpu())
 
     def load(self, host_slots: torch.Tensor, device_slots: torch.Tensor) -> None:
         for dev, host in self._pieces(device_slots, host_slots):
             rows = self.data.index_select(0, host).to(dev.device, non_blocking=True)
-            for (*_, d), part in zip(self.buffers, rows.split(self.widths, dim=1)):
-                self.words(d).index_copy_(0, dev, part)
+            for r, part in zip(self.rows, rows.split([r.shape[1] for r in self.rows], dim=1)):
+                r.index_copy_(0, dev, part)
 
     def _pieces(self, device_slots: torch.Tensor, host_slots: torch.Tensor) -> Any:
         """(device slots, host slots) in pieces whose rows take at most STAGING_BYTES on the device."""
         step, host = max(1, STAGING_BYTES // self.bytes_per_token), host_slots.long()  # (index_copy_ takes int64 only)
-        dev = device_slots.to(self.buffers[0][2].device, torch.int64)
+        dev = device_slots.to(self.rows[0].device, torch.int64)
         return ((dev[i:i + step], host[i:i + step]) for i in range(0, len(dev), step))
 
 
@@ -196,7 +192,8 @@ class HiCache:
             self.host.save(device_slots[have.numel():], new)
         except Exception:  # noqa: BLE001 - the device tree and the request go on whole
             logger.exception("hicache: saving %d tokens to the host tier failed; they are not kept below", n)
-            return self.host.allocator.free(new)
+            self.host.allocator.free(new)
+            return
         self.moved_bytes["device_to_host"] += n * self.host.bytes_per_token
         self._insert(tokens, slots := torch.cat([have, new]), node)
         if self.write_through:
