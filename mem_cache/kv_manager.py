@@ -71,6 +71,11 @@ class ReqToTokenPool:
         self._last_index = index
         self.req_to_token.view(-1).index_copy_(0, index, slots.reshape(-1).to(self.req_to_token))
 
+    def write_prefix(self, row: int, slots: torch.Tensor) -> None:
+        """`req_to_token[row, :len(slots)]` = slots: an admitted request's cached prefix. (Not `write`: the last
+        write's index, which a steady decode step advances, stays that decode step's.)"""
+        self.req_to_token[row, :slots.numel()] = slots
+
     def check_integrity(self) -> bool:
         """The free list holds distinct request slots in range (every other slot is in use)."""
         assert len(set(self._free)) == len(self._free), "ReqToTokenPool: free list holds duplicate request slots"
@@ -158,7 +163,7 @@ class KVCacheManager:
         if self.hicache is not None:
             slots, node = self._load_back(list(prefix_ids), slots, node, found)
         found["miss"] = len(prefix_ids) - slots.numel()
-        self.req_to_token.req_to_token[row, :slots.numel()] = slots  # (not `write`: that keeps a decode step's index)
+        self.req_to_token.write_prefix(row, slots)
         kv = ReqKV(row, node, int(slots.numel()), int(slots.numel()), found)
         self._live.add(kv)
         return kv
