@@ -2,9 +2,9 @@
 and on, in one run: both servers up, the workload run on them round by round in turn, twice, each time from an
 empty cache; each figure pools a server's passes. N clients, R rounds with a barrier between them; in each round
 every client sends, in a random order, its whole conversation so far plus L new tokens and asks for o greedy tokens
-(streamed). The conversations
-together hold about 4x the device pool, one of them fits in it. Then, offline: a retraction forced with the tier on
-(tokens recomputed), and the disk tier against recomputing, per prompt length. Writes docs/benchmarks/multiturn.json.
+(streamed). The conversations together hold about 4x the device pool, one of them fits in it. Then, offline: a
+retraction forced with the tier on (tokens recomputed), and the disk tier against recomputing, per prompt length.
+Writes docs/benchmarks/multiturn.json.
 """
 
 from __future__ import annotations
