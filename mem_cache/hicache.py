@@ -1,7 +1,6 @@
-"""The hierarchical KV cache's lower tiers (SGLang's HiCache): a host-memory radix tree under the device one, and
-an optional disk tier of fixed-size pages under the host. Written against the pool's capability API alone: the host
-buffers are laid out from `layers_with`, one per (layer, buffer) the pool has, and every copy moves exactly those,
-so a layer kind this file has never seen needs nothing new here."""
+"""The hierarchical KV cache's lower tiers (SGLang's HiCache): a host-memory radix tree under the device one, and an
+optional disk tier of fixed-size pages. Written against the pool's capability API alone: the host rows hold every
+(layer, buffer) `layers_with` names, so a layer kind this file has never seen needs nothing new here."""
 
 from __future__ import annotations
 
@@ -32,11 +31,6 @@ def pool_buffers(pool: Any) -> list[tuple[int, str, torch.Tensor]]:
     return [(layer, name, pool.buffer(layer, name)) for name in BUFFER_NAMES for layer in pool.layers_with(name)]
 
 
-def bytes_per_token(pool: Any) -> int:
-    """Bytes one token costs in a lower tier: every buffer of every layer (the host tier's sizing)."""
-    return sum(t[0].numel() * t.element_size() for _, _, t in pool_buffers(pool))
-
-
 def _remove(path: Path) -> None:
     with contextlib.suppress(OSError):  # (an unwritable directory: the page stays, and is refused again when read)
         path.unlink(missing_ok=True)
@@ -44,16 +38,15 @@ def _remove(path: Path) -> None:
 
 class HostKVPool:
     """Host memory for every device buffer, token-major: host slot s is row s of `data` ([size + 1, words per
-    token], row 0 unused), each buffer's bytes in turn: a copy either way is one transfer (on CUDA one sync, not one
-    per buffer), a disk page its rows as they lie. A word is the widest integer type dividing every buffer's bytes
-    per token (NOTE: index_select / index_copy_ copy element by element: 1,919 rows of 5,248 bytes gathered in 0.2
-    ms as int64 against 3.2 as bytes). Not pinned (a transfer's host end is a gathered or scattered copy of rows,
-    never `data` itself), and left uninitialized (a row is read only after it is written): its resident memory
-    grows with what it holds."""
+    token], row 0 unused), each buffer's bytes in turn: a copy either way is one transfer (on CUDA one sync), a disk
+    page its rows as they lie. A word is the widest integer type dividing every buffer's bytes per token (NOTE:
+    index_select / index_copy_ copy element by element: 1,919 rows of 5,248 bytes gathered in 0.2 ms as int64
+    against 3.2 as bytes). Not pinned (a transfer's host end is a gathered or scattered copy of rows), and left
+    uninitialized (a row is read only after it is written): its resident memory grows with what it holds."""
 
     def __init__(self, pool: Any, size: int) -> None:
-        self.buffers = pool_buffers(pool)
-        self.bytes_per_token, self.bytes_per_token_by_kind = bytes_per_token(pool), pool.bytes_per_token_by_kind()
+        self.buffers, self.bytes_per_token_by_kind = pool_buffers(pool), pool.bytes_per_token_by_kind()
+        self.bytes_per_token = sum(d[0].numel() * d.element_size() for *_, d in self.buffers)  # (every buffer's row)
         width = math.gcd(8, *(n * d.element_size() for *_, d in self.buffers for n in
                               (d[0].numel(), d.stride(0), d.storage_offset())))  # (a row, a row's stride, the start)
         self.word = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}[width]
@@ -81,9 +74,8 @@ class HostKVPool:
 
 class DiskStore:
     """One file per page of PAGE tokens, named by a hash chained over the model's fingerprint and every token up to
-    the page's end: a restarted server finds its pages, another model never does. A file holds a magic, its own name,
-    a CRC-32 and the page's bytes; one that fails any check is logged, removed and read as a miss (its tokens, and
-    those of the pages after it, recomputed and written again)."""
+    the page's end (a restarted server finds its pages, another model never does): a magic, its name, a CRC-32, the
+    bytes. One that fails a check is logged, removed and read as a miss (it and the pages after it recomputed)."""
 
     MAGIC = b"MMKV2"  # (2: token-major pages)
 
@@ -128,8 +120,7 @@ class DiskStore:
         return done
 
     def read(self, key: bytes, host_slots: torch.Tensor) -> bool | None:
-        """Copy the page named `key` into `host_slots` (PAGE of them): True; None when there is none; False when
-        it fails a check (it is removed)."""
+        """Page `key` into `host_slots`: True; None if there is none; False if it fails a check (then removed)."""
         path = self.dir / key.hex()
         try:
             raw = path.read_bytes()
@@ -151,10 +142,9 @@ class DiskStore:
 
 
 class HiCache:
-    """The tiers below the device: a radix tree of its own over host slots (LRU within its size) and, optionally,
-    disk pages. `save` copies down the tokens of a prefix the host lacks; `match` finds the longest prefix the host
-    holds, first bringing disk pages up. Write-through saves every prefix the device tree takes in; write-back only
-    what the device evicts (it saves evictions either way)."""
+    """The tiers below the device: a radix tree over host slots (LRU within its size), optionally disk pages. `save`
+    copies down the tokens of a prefix the host lacks; `match` finds the longest prefix the host holds, disk pages
+    brought up first. Either policy saves what the device evicts; write-through also every prefix it takes in."""
 
     def __init__(self, pool: Any, size: int, write_policy: str = "write_through", storage_dir: str | None = None,
                  fingerprint: str = "") -> None:

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mem_cache import BUFFER_NAMES, HiCache, MiniMaxSparseKVPool, hicache
-from mem_cache.hicache import PAGE, bytes_per_token
+from mem_cache.hicache import PAGE
 from tests.engine_utils import forced_retraction, make_engine, run_all, submit
 from tests.http_utils import generate
 from tests.server_utils import live_server
@@ -134,12 +134,12 @@ def test_a_layer_mix_the_tier_was_not_written_for_round_trips(kinds: list[str], 
     6, so the host rows move as 4- or 2-byte words.)"""
     pool = MiniMaxSparseKVPool(64, dtype, kinds, 2, *dims)
     if pieces:
-        monkeypatch.setattr(hicache, "STAGING_BYTES", 3 * bytes_per_token(pool))
+        monkeypatch.setattr(hicache, "STAGING_BYTES", 3 * pool.bytes_per_token())
     names = [(layer, b) for b in BUFFER_NAMES for layer in pool.layers_with(b)]
     for layer, b in names:
         pool.buffer(layer, b).normal_()
     hc = HiCache(pool, 32)
-    assert bytes_per_token(pool) == pool.bytes_per_token() == hc.host.bytes_per_token
+    assert pool.bytes_per_token() == hc.host.bytes_per_token
     word = math.gcd(8, *(pool.buffer(*n)[0].nbytes for n in names))
     assert hc.host.data.element_size() == word and (word < 8) == (dims == (3, 3))
     tokens, first = list(range(100, 120)), torch.arange(1, 21)

@@ -17,7 +17,6 @@ from engine.model.model import MiniMaxM3Model
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.tokenizer import Tokenizer
 from mem_cache import HiCache, KVCacheManager, MiniMaxSparseKVPool
-from mem_cache.hicache import bytes_per_token
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +113,7 @@ def build_hicache(args: EngineArgs, model: MiniMaxM3Model, pool: MiniMaxSparseKV
     """The host tier (--hicache-size GB, else --hicache-ratio x the device pool) and the disk one, if asked."""
     if not args.enable_hierarchical_cache:
         return None
-    per_token, free = bytes_per_token(pool), _available_bytes()
+    per_token, free = pool.bytes_per_token(), _available_bytes()
     size = int(args.hicache_size * 1e9) // per_token - 1 if args.hicache_size else int(pool.size * args.hicache_ratio)
     if size < 1:
         raise ValueError(f"a host tier of {args.hicache_size} GB holds no token: one costs {per_token} bytes")
