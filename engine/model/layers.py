@@ -15,10 +15,9 @@ from engine.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back at the end."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(dim=-1, keepdim=True) + eps) * (1.0 + weight.float())
-    return h.to(x.dtype)
+    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back at the end.
+    NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven; a decode step norms 45 times on configs/tiny)."""
+    return F.rms_norm(x.float(), x.shape[-1:], 1.0 + weight.float(), eps).to(x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
