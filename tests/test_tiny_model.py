@@ -110,3 +110,26 @@ def test_serves_text_out_of_the_box():
     assert sampled[0]["output_ids"] == sampled[1]["output_ids"]
     assert llm.engine.check_integrity() and llm.engine.flush_cache()
     assert llm.engine.stats().free_tokens == 1024
+
+
+def test_a_step_that_raises_leaves_the_llm_usable(monkeypatch):
+    """A failed step ends the call's requests (their KV freed, not cached), so the next call runs as on a fresh LLM."""
+    llm = LLM(TINY, max_total_tokens=1024, max_running_requests=4, disable_cuda_graph=True)
+    params = {"max_new_tokens": 6, "ignore_eos": True, "temperature": 0}
+    want = llm.generate(["Hello there", "Once upon a time"], params)
+    assert llm.engine.flush_cache()
+    forward, calls = llm.engine._runner.forward, []
+
+    def failing(*args):
+        calls.append(1)
+        if len(calls) == 3:  # (a decode step, the prompts' KV written)
+            raise RuntimeError("a kernel failed")
+        return forward(*args)
+
+    monkeypatch.setattr(llm.engine._runner, "forward", failing)
+    with pytest.raises(RuntimeError, match="a kernel failed"):
+        llm.generate(["Hello there", "Once upon a time"], params)
+    assert llm.engine.check_integrity() and llm.engine.stats().num_running == 0
+    assert [o["output_ids"] for o in llm.generate(["Hello there", "Once upon a time"], params)] == \
+        [o["output_ids"] for o in want]
+    assert llm.engine.flush_cache() and llm.engine.stats().free_tokens == 1024

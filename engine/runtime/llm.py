@@ -46,7 +46,12 @@ class LLM:
         results = {rid: JoinedOutput(rid) for rid in order}
         with tqdm(total=len(order), desc="generate", disable=not progress) as bar:
             while not all(r.finished for r in results.values()):
-                for out in self.engine.step():
+                try:
+                    outs = self.engine.step()
+                except BaseException as e:  # (a failed step, or Ctrl-C: every request ends, the next call starts clean)
+                    self.engine.fail_all(f"generate stopped: {e!r}")
+                    raise
+                for out in outs:
                     results[out.rid].add(out)
                     bar.update(int(out.finished))
         return [self._to_dict(results[rid]) for rid in order]
