@@ -9,7 +9,10 @@
    its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run.
 
 Writes docs/benchmarks/gpu.json and prints it with the ratios against the targets. A section that fails is
-recorded with its error and the rest still run.
+recorded with its error and the rest still run. Sections named on the command line run alone; three run only when
+named: `cpu_small_batch` (bench/small_batch.py on the host's CPU), and two experiments for the next design step:
+`startup_phases` (a start's seconds by phase) and `compiled_capture` (the step compiled by inductor, then captured
+by our own CUDA graphs, against the eager step's capture: compile and capture seconds, replay ms, logits' agreement).
 """
 
 from __future__ import annotations
@@ -87,7 +90,7 @@ def decode_steps(e: Engine, rows: int, new: int, temperature: float, prompt_len:
 def replay_ms(e: Engine, rows: int) -> float:
     """Milliseconds of one replay of the (rows, shortest keys) graph alone: the step's GPU time, no host work."""
     graphs = e._runner.graphs
-    graph, _ = graphs._cuda.graphs[(rows, graphs.key_buckets[0])]
+    graph = graphs._cuda.graphs[(rows, graphs.key_buckets[0])]
     graph.replay()
     torch.cuda.synchronize()
     t = time.perf_counter()
@@ -256,6 +259,84 @@ def midsize() -> dict:
             "fraction_of_roofline": round(roof_ms / step["step_ms"], 3)}
 
 
+# ---- experiments for the next design step (opt-in) ---------------------------------------------------------------
+PHASES = """
+import json, sys, time
+t = [time.perf_counter()]
+import torch
+t.append(time.perf_counter())
+import server.app  # noqa: F401  (what `python -m server` imports)
+t.append(time.perf_counter())
+torch.zeros(1, device="cuda")
+torch.cuda.synchronize()
+t.append(time.perf_counter())
+from engine.runtime.engine import Engine
+from engine.runtime.engine_args import EngineArgs
+e = Engine(EngineArgs(model_path=sys.argv[1], device="cuda", dtype="bfloat16", max_running_requests=256,
+                      max_total_tokens=256 * 1024))
+t.append(time.perf_counter())
+e.warm_up()
+t.append(time.perf_counter())
+names = ("import_torch", "import_server", "cuda_init", "engine_build", "capture")
+print(json.dumps({n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])}))
+"""
+
+
+def startup_phases() -> dict:
+    """Where a start's seconds go (configs/tiny, as `python -m server --device cuda` builds it), twice."""
+    runs = [subprocess.run([sys.executable, "-c", PHASES, str(TINY)], cwd=ROOT, capture_output=True, text=True,
+                           timeout=300) for _ in range(2)]
+    return {f"run{i}": json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-1500:]
+            for i, r in enumerate(runs)}
+
+
+def compiled_capture() -> dict:
+    """The step compiled once by inductor (batch and keys dynamic; no CUDA-graph trees) and captured by the engine's
+    own CudaGraphs, against the eager step's capture as served: compile and capture seconds, one replay's ms, the
+    logits' agreement. Decides whether fused kernels pay for their compile (the step is ~1,000 small kernels)."""
+    from engine.model.forward_batch import DecodeBatch
+    from engine.runtime.cuda_graph import CudaGraphs
+    from engine.runtime.decode_graph import decode_step
+
+    buckets = (1, 2, 64)
+    e = engine(TINY, graphs=True, cuda_graph_bs=list(buckets))
+    r, g = e._runner, e._runner.graphs
+    keys = g.key_buckets[:2]
+    t = time.perf_counter()
+    g._cuda.capture()  # (again, timed: the eager step's capture of these graphs)
+    out: dict = {"eager_capture_s": round(time.perf_counter() - t, 2),
+                 "eager_replay_ms": {rows: replay_ms(e, rows) for rows in buckets}}
+    compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
+    mine = CudaGraphs(lambda b: compiled(r.model, r.pool, b), buckets, keys, r.device)
+    t = time.perf_counter()
+    with torch.no_grad():
+        for k in keys:  # (every shape compiled before capture: no compile inside a capture)
+            for rows in buckets:
+                compiled(r.model, r.pool, mine.view(rows, k))
+    torch.cuda.synchronize()
+    out["compile_s"] = round(time.perf_counter() - t, 1)
+    t = time.perf_counter()
+    mine.capture()
+    out["capture_s"] = round(time.perf_counter() - t, 2)
+    for rows in buckets:
+        graph = mine.graphs[(rows, keys[0])]
+        graph.replay()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(50):
+            graph.replay()
+        torch.cuda.synchronize()
+        out.setdefault("compiled_replay_ms", {})[rows] = round((time.perf_counter() - t0) / 50 * 1e3, 4)
+    n, dev = keys[0], r.device  # (a batch of random tokens over random slots, every key visible)
+    batch = DecodeBatch(torch.randint(2, 4000, (64,), device=dev), torch.full((64,), n - 1, device=dev),
+                        torch.arange(1, 65, device=dev), torch.randint(1, 60000, (64, n), device=dev))
+    same = mine.run(batch, 64, keys[0]), g._cuda.run(batch, 64, keys[0])
+    out["max_abs_logit_diff_64"] = float((same[0] - same[1]).abs().max())
+    out["compiled_over_eager_replay"] = {rows: _ratio(out["compiled_replay_ms"][rows], out["eager_replay_ms"][rows])
+                                         for rows in buckets}
+    return out
+
+
 def cpu_small_batch() -> dict:
     subprocess.run([sys.executable, "-m", "bench.small_batch"], cwd=ROOT, check=True, timeout=500)
     return json.loads((ROOT / "docs" / "benchmarks" / "small_batch.json").read_text())
@@ -269,8 +350,10 @@ def main() -> None:
                      ("midsize", midsize), ("server", server)):
         if not only or name in only:
             section(results, name, fn)
-    if "cpu_small_batch" in only:  # (opt-in: the host's CPU, another kind, for bench/small_batch.py's A/B)
-        section(results, "cpu_small_batch", cpu_small_batch)
+    for name, fn in (("cpu_small_batch", cpu_small_batch), ("startup_phases", startup_phases),
+                     ("compiled_capture", compiled_capture)):
+        if name in only:  # (opt-in: the host's CPU for bench/small_batch.py's A/B; the two design experiments)
+            section(results, name, fn)
     off, srv = results.get("offline", {}), results.get("server", {})
     vs, mid = results.get("versus_transformers", {}), results.get("midsize", {})
     results["targets"] = {
