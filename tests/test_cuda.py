@@ -4,7 +4,8 @@ fp32 on CUDA against fp32 on CPU (shipped weights, a prompt past the sparse laye
 selection runs on both); bf16 on CUDA as a smoke test against fp32 (top-1 agreement and mean KL: bf16 rounding
 flips a few block selections, so its logits are not held to fp32's tolerance); captured decode against eager
 over 80 tokens that cross a block boundary and a key bucket, with the graphs replayed; the model's decode step
-under CUDA's sync debug mode (no host sync inside); the server over HTTP; the host KV tier under a CUDA pool.
+under CUDA's sync debug mode (no host sync inside); the overlap schedule against reading each step back; the server
+over HTTP; the host KV tier under a CUDA pool.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from engine_utils import TINY, make_engine, solo
+from engine_utils import TINY, make_engine, run_all, solo
 from server_utils import live_server
 
 from engine.model.loader import load_model
+from engine.runtime.request import NewRequest
+from engine.runtime.sampling_params import SamplingParams
 from tests.forward_utils import PagedModel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
@@ -72,6 +75,23 @@ def test_decode_step_has_no_host_sync():
         p.runner.decode_step(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_overlapped_steps_on_cuda_match_steps_read_back_one_by_one():
+    """The overlap schedule (CUDA's default) against `disable_overlap_schedule`: greedy, seeded and stopped requests."""
+    def run(**kw) -> list[list[int]]:
+        e = make_engine(device="cuda", dtype="float32", model_path=TINY, load_format="auto", disable_cuda_graph=False,
+                        cuda_graph_bs=[8], **kw)
+        e.warm_up()
+        reqs = [(PROMPT[:n], {"max_new_tokens": 40, "temperature": t, "sampling_seed": n, "stop_token_ids": [n % 50]})
+                for n in (30, 300, 420, 599) for t in (0.0, 0.8)]
+        rids = [e.add_requests([NewRequest(p, SamplingParams.from_dict(sp))])[0][0] for p, sp in reqs]
+        got = run_all(e)
+        assert e.check_integrity() and e.flush_cache()
+        return [got[r].output_ids for r in rids]
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert run() == run(disable_overlap_schedule=True)
 
 
 def test_http_round_trip_on_cuda(tmp_path):

@@ -1,6 +1,9 @@
 """The engine: `add_requests`, `abort`, `stats`, `wait_for_work` (any thread) and `step` (the engine thread only:
-take new requests and aborts, schedule, run, sample) -> a delta for each touched request. The maintenance calls
-(`flush_cache`, `integrity_ok`) run torch: the engine thread too, between two steps."""
+take new requests and aborts, schedule, run, sample, read the tokens back) -> a delta for each touched request. The
+maintenance calls (`flush_cache`, `integrity_ok`) run torch: the engine thread too, between two steps.
+Overlapped (CUDA; SGLang's overlap schedule), a steady decode step is launched before the last step's tokens are read
+back, so the host's work on them runs while the device computes; a request that a read-back token ends (EOS, a stop)
+has one more token computed ahead, dropped. On CPU a step computes as it is launched: overlap would only delay it."""
 
 from __future__ import annotations
 
@@ -14,6 +17,7 @@ from engine.runtime.engine_args import EngineArgs
 from engine.runtime.logprobs import plan_prompt_rows, record_output, record_prompt
 from engine.runtime.model_runner import ModelRunner, take_rows
 from engine.runtime.request import Limits, NewRequest, Req, RequestOutput, validate
+from engine.runtime.rids import RidTable
 from engine.runtime.sampler import Sampler
 from engine.runtime.scheduler import ScheduledBatch, Scheduler
 from engine.runtime.setup import build_components
@@ -41,10 +45,10 @@ class Engine:
         self._inbox: list[tuple[NewRequest, str]] = []
         self._aborts: list[tuple[str, bool]] = []
         self._woken = False
-        self._live: set[str] = set()  # rids submitted and not finished
-        self._group: dict[str, list[str]] = {}  # rid of an n > 1 request -> every rid it expanded into
-        self._member: dict[str, str] = {}  # expanded rid -> its group's rid
+        self._rids = RidTable()
         self._touched: dict[str, Req] = {}
+        self._overlap = self._runner.device.type == "cuda" and not args.disable_overlap_schedule
+        self._pending: tuple | None = None  # the last step's (requests, logits, ids on their way to the host, event)
 
     @property
     def pool(self) -> MiniMaxSparseKVPool:
@@ -63,18 +67,8 @@ class Engine:
                              f"this server allows at most {max_sequences} per request (--max-batch-size).")
         with self._cond:
             rids = [r.rid or uuid.uuid4().hex for r in reqs]
-            taken = [r for r in rids if r in self._live or r in self._member]
-            if taken or len(set(rids)) < len(rids):
-                raise ValueError(f"Duplicate request ID: {taken[0] if taken else rids}.")
-            out = []
-            for r, rid in zip(reqs, rids):
-                samples = [rid] if r.params.n == 1 else [f"{rid}_{i}" for i in range(r.params.n)]
-                self._live.update(samples)
-                if r.params.n > 1:
-                    self._group[rid] = samples + [f"{rid}__prefill"]
-                    self._member.update({s: rid for s in self._group[rid]})
-                self._inbox.append((r, rid))
-                out.append(samples)
+            out = self._rids.add(rids, [r.params.n for r in reqs])
+            self._inbox.extend(zip(reqs, rids))
             self._cond.notify_all()
         return out
 
@@ -126,9 +120,14 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One scheduling step: take new requests and aborts, run one batch, report what changed."""
         self._drain_inbox()
+        if not (self._overlap and self._scheduler.steady_next()):
+            self._read_back()  # (the next step needs every request as it is)
         batch = self._scheduler.next_batch()
-        if batch is not None:
-            self._run(batch)
+        launched = self._run(batch) if batch is not None else None
+        self._read_back()  # (overlapped: the last step's tokens, while the device computes this one)
+        self._pending = launched
+        if not self._overlap:
+            self._read_back()
         return self._collect()
 
     def _drain_inbox(self) -> None:
@@ -137,7 +136,7 @@ class Engine:
         for r, rid in new:
             self._expand(r, rid)
         for rid, everything in aborts:
-            targets = set(self._group.get(rid, [rid]))  # an n > 1 request aborts all its samples
+            targets = self._rids.group.get(rid, [rid])  # (an n > 1 request: all its samples)
             for req in [r for r in self._scheduler.requests() if everything or r.rid in targets]:
                 message = ABORT_WAITING if req.kv is None else "Aborted by request."
                 self._end(req, {"type": "abort", "message": message, "status_code": None})
@@ -148,7 +147,7 @@ class Engine:
         self._scheduler.release(req, cache)
         self._touched[req.rid] = req
 
-    def _run(self, batch: ScheduledBatch) -> None:
+    def _run(self, batch: ScheduledBatch) -> tuple | None:
         rows, plans, sampling, offset = [], [], [], 0
         for req, prefix, ids in zip(batch.reqs, batch.prefix_lens, batch.new_ids):
             plans.append(plan_prompt_rows(req, prefix, len(ids), offset, rows))
@@ -160,27 +159,40 @@ class Engine:
         for req, plan in zip(batch.reqs, plans):
             if plan.targets or plan.null_first:
                 record_prompt(req, plan, logits)  # reported with the request's next output
-        if sampling:
-            self._sample([r for r, _ in sampling], take_rows(logits, [i for _, i in sampling]), batch.steady)
+        return self._sample([r for r, _ in sampling], take_rows(logits, [i for _, i in sampling]),
+                            batch.steady) if sampling else None
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor, steady: bool) -> None:
+    def _sample(self, reqs: list[Req], logits: torch.Tensor, steady: bool) -> tuple | None:
+        """Sample the requests' next tokens on the device; what `_read_back` takes (nothing is read here)."""
         for r in (r for r in reqs if r.params.max_new_tokens == 0):
             self._end(r, {"type": "length", "length": 0})
         live = [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]
         if not live:
-            return
+            return None
         reqs, logits = [reqs[i] for i in live], take_rows(logits, live)
-        suppress = [r.stop.suppressed(len(r.output_ids)) for r in reqs]
+        suppress = [r.stop.suppressed(len(r.output_ids) + r.inflight) for r in reqs]
         tokens = self._sampler.sample(logits, [r.params for r in reqs], [r.output_ids for r in reqs],
                                       [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress, steady)
-        self._runner.sampled(tokens)
-        tokens = tokens.tolist()  # (the step's one device-to-host copy)
-        for req, row, tok in zip(reqs, logits, tokens):
+        for r in reqs:
+            r.inflight += 1
+        return reqs, logits, *self._runner.sampled(tokens)
+
+    def _read_back(self) -> None:
+        """Accept the pending step's tokens (the step's one device-to-host copy, waited for here), if there is one."""
+        if self._pending is None:
+            return
+        (reqs, logits, ids, ready), self._pending = self._pending, None
+        if ready is not None:
+            ready.synchronize()
+        for req, row, tok in zip(reqs, logits, ids.tolist()):
+            req.inflight -= 1
+            if req.finished:  # (ended by the token before: this one was computed ahead, and is dropped)
+                continue
             try:
                 reason = self._accept(req, row, tok)
-            except Exception as e:  # one request's failure (detokenizing, logprobs) ends only that request
-                self._end(req, {"type": "abort", "message": f"internal error: {e}", "status_code": 500}, str(e))
-                continue
+            except Exception as e:  # one request's failure (detokenizing, logprobs) ends only it; KV not cached: its
+                self._end(req, {"type": "abort", "message": f"internal error: {e}", "status_code": 500}, str(e), False)
+                continue  # (last token may be unrecorded, with its slot computed ahead)
             if reason is not None:
                 self._end(req, reason)
 
@@ -199,16 +211,13 @@ class Engine:
         if finished:
             with self._cond:
                 for rid in finished:
-                    self._live.discard(rid)
-                    group = self._member.get(rid)  # an n > 1 request is forgotten with its last sample
-                    if group is not None and not any(r in self._live for r in self._group[group]):
-                        for r in self._group.pop(group):
-                            self._member.pop(r, None)
+                    self._rids.finished(rid)
         return outs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
         """End every queued and running request with an error (after a failed step); report them. NOTE: their KV
         is not cached: the failed step's slots were allocated, maybe never written."""
+        self._pending = None
         self._drain_inbox()
         for req in self._scheduler.requests():
             self._end(req, {"type": "abort", "message": message, "status_code": 500}, message, cache=False)
@@ -239,4 +248,3 @@ class Engine:
             return self.check_integrity()
         except AssertionError:
             return False
-

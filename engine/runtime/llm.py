@@ -48,7 +48,7 @@ class LLM:
             while not all(r.finished for r in results.values()):
                 try:
                     outs = self.engine.step()
-                except BaseException as e:  # (a failed step, or Ctrl-C: every request ends, the next call starts clean)
+                except BaseException as e:  # (a failed step, or Ctrl-C: all requests end, the next call starts clean)
                     self.engine.fail_all(f"generate stopped: {e!r}")
                     raise
                 for out in outs:

@@ -64,9 +64,17 @@ class ModelRunner:
         keys = F.pad(table[rows, :n], (0, n - min(n, table.shape[1])))  # (past the table: padding keys, masked)
         return DecodeBatch(ids, pos, batch.out_cache_loc.to(dev, torch.int64), keys.to(torch.int64))
 
-    def sampled(self, tokens: torch.Tensor) -> None:
-        """The tokens just sampled for the last batch (on the device): the next decode step's inputs if it is steady."""
+    def sampled(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """The tokens just sampled for the last batch (on the device: the next decode step's inputs if it is steady),
+        on their way to the host, and the event to wait for before reading them: on CUDA a copy into pinned memory
+        behind an event (nothing waits until they are read); elsewhere the tokens themselves."""
         self._tokens = tokens
+        if self.device.type != "cuda":
+            return tokens, None
+        host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
+        host.copy_(tokens, non_blocking=True)
+        ready.record()
+        return host, ready
 
 
 def take_rows(x: torch.Tensor, rows: list[int]) -> torch.Tensor:

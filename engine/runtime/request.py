@@ -88,6 +88,7 @@ class Req:
     created: float = field(default_factory=time.monotonic)
     pending: Logprobs = field(default_factory=Logprobs)  # logprob entries not reported yet
     reported: int = 0  # output ids already reported
+    inflight: int = 0  # tokens sampled on the device, not read back yet (an overlapped step)
 
     def __post_init__(self) -> None:
         assert self.prompt_ids, "a request needs at least one prompt token"
@@ -116,7 +117,7 @@ class Req:
 
     def remaining_prefill(self) -> int:
         """Tokens still to feed before this request can sample its next token."""
-        return len(self.prompt_ids) + len(self.output_ids) - self.num_computed
+        return len(self.prompt_ids) + len(self.output_ids) + self.inflight - self.num_computed
 
     def finish(self, reason: dict[str, Any], error: str | None = None) -> None:
         if self.finish_reason is None:

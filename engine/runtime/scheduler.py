@@ -69,6 +69,14 @@ class Scheduler:
     def next_batch(self) -> ScheduledBatch | None:
         return self._prefill_batch() or self._decode_batch()
 
+    def steady_next(self) -> bool:
+        """Whether the next batch is a steady decode step that may be launched before the last one's tokens are read
+        back (the engine's overlap): nothing waiting, the last decode's requests, room for all, and no one's token on
+        the device its last by length."""
+        return (not self.waiting and self._decoded is not None and self.kv.can_allocate(len(self.running))
+                and sorted(self.running, key=lambda r: r.num_computed) == self._decoded
+                and not any(r.stop.at_length(len(r.output_ids) + r.inflight, len(r.prompt_ids)) for r in self.running))
+
     def _admit(self, req: Req) -> None:
         """Give a request a row and its cached prefix: at least one token must be computed (for the
         logits), and prompt logprobs need the logits from their start."""
@@ -125,7 +133,7 @@ class Scheduler:
 
     def _build(self, chosen: list[tuple[Req, int]], steady: bool = False) -> ScheduledBatch:
         prefix = [r.num_computed for r, _ in chosen]
-        new_ids = [r.ids(p, p + n) for (r, n), p in zip(chosen, prefix)]
+        new_ids = [r.ids(p, p + n) or [-1] for (r, n), p in zip(chosen, prefix)]  # (-1: a token still on the device)
         out = self.kv.allocate([(r.kv, n) for r, n in chosen], steady)
         return ScheduledBatch([r for r, _ in chosen], [r.kv.row for r, _ in chosen], prefix, new_ids, out, steady)
 

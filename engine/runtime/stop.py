@@ -33,6 +33,11 @@ class StopChecker:
         """Ids to forbid while fewer than min_new_tokens have been generated."""
         return (self.suppress_ids | self.stop_ids) if n_out < self.params.min_new_tokens else None
 
+    def at_length(self, n_out: int, n_prompt: int) -> bool:
+        """Whether the n_out-th output token (after n_prompt prompt tokens) ends the request by length."""
+        m = self.params.max_new_tokens
+        return (m is not None and n_out >= m) or n_prompt + n_out >= self.max_total_len
+
     def on_token(self, token: int, n_out: int, n_total: int) -> dict[str, Any] | None:
         """Account for the n_out-th output token; return a finish reason if the request is done."""
         min_reached = n_out >= self.params.min_new_tokens
