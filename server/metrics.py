@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
@@ -41,7 +42,8 @@ class Metrics:
         def counter(name: str, doc: str) -> Any:
             return Counter(f"sglang:{name}", doc, lab, registry=reg).labels(model_name)
 
-        def histogram(name: str, doc: str, buckets: list[float]) -> Any:
+        def histogram(name: str, what: str, buckets: list[float]) -> Any:
+            doc = f"Histogram of {what}"
             return Histogram(f"sglang:{name}", doc, lab, registry=reg, buckets=buckets).labels(model_name)
 
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.")
@@ -50,15 +52,12 @@ class Metrics:
         self.num_requests = counter("num_requests", "Number of requests processed.")
         self.num_aborted = counter("num_aborted_requests", "Number of requests aborted.")
         self.num_so = counter("num_so_requests", "Number of structured output requests processed.")
-        self.ttft = histogram("time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                              TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
-                             ITL_BUCKETS)
-        self.e2e = histogram("e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
-                             E2E_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "time to first token in seconds.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds", E2E_BUCKETS)
         # NOTE: the engine reports no admission time, so queue time is measured up to the first output
         # (queueing + prefill), the closest the server can see.
-        self.queue_time = histogram("queue_time_seconds", "Histogram of queueing time in seconds.", QUEUE_BUCKETS)
+        self.queue_time = histogram("queue_time_seconds", "queueing time in seconds.", QUEUE_BUCKETS)
         reg.register(self)  # its collect() gives the engine gauges
         self._reqs: dict[str, _ReqTimes] = {}
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens generated before then) for gen_throughput
@@ -68,42 +67,35 @@ class Metrics:
     def collect(self) -> Any:
         """Scheduler and per-sub-pool gauges, read from the engine at scrape time (a custom collector)."""
         st, pool = self.engine.stats(), self.engine.pool
-        values = {
-            "num_running_reqs": ("The number of running requests.", st.num_running),
-            "num_used_tokens": ("The number of used KV tokens (prefix cache included).", st.used_tokens),
-            "token_usage": ("The KV token usage (0-1).", st.token_usage),
-            "gen_throughput": ("The generation throughput (token/s).", self.gen_throughput()),
-            "num_queue_reqs": ("The number of requests in the waiting queue.", st.num_waiting),
-            "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
-            "cache_hit_rate": ("The prefix cache hit rate.",
-                               self._cached_total / self._prompt_total if self._prompt_total else 0.0),
-            "spec_accept_length": ("The average speculative accept length.", 0.0),
-            "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens),
-        }
+        values = {"num_running_reqs": ("The number of running requests.", st.num_running),
+                  "num_used_tokens": ("The number of used KV tokens (prefix cache included).", st.used_tokens),
+                  "token_usage": ("The KV token usage (0-1).", st.token_usage),
+                  "gen_throughput": ("The generation throughput (token/s).", self.gen_throughput()),
+                  "num_queue_reqs": ("The number of requests in the waiting queue.", st.num_waiting),
+                  "num_grammar_queue_reqs": ("The number of requests in the grammar queue.", 0),
+                  "cache_hit_rate": ("The prefix cache hit rate.",
+                                     self._cached_total / self._prompt_total if self._prompt_total else 0.0),
+                  "spec_accept_length": ("The average speculative accept length.", 0.0),
+                  "max_total_num_tokens": ("The KV pool size in tokens.", st.max_total_tokens)}
+        gauge, counter = (partial(_family, cls, self.model_name) for cls in (GaugeMetricFamily, CounterMetricFamily))
         for name, (doc, value) in values.items():
-            yield _family(GaugeMetricFamily, name, doc, self.model_name, {None: value})
-        per_pool = {
-            "pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: st.used_tokens),
-            "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: st.free_tokens),
-            "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes()),
-        }
+            yield gauge(name, doc, {None: value})
+        per_pool = {"pool_used_tokens": ("Used token slots of a KV sub-pool.", lambda p: st.used_tokens),
+                    "pool_free_tokens": ("Free token slots of a KV sub-pool.", lambda p: st.free_tokens),
+                    "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes())}
         for name, (doc, fn) in per_pool.items():
-            yield _family(GaugeMetricFamily, name, doc, self.model_name, {p.name: fn(p) for p in pool.sub_pools()},
-                          "pool")
+            yield gauge(name, doc, {p.name: fn(p) for p in pool.sub_pools()}, "pool")
         # the cache tiers: prefix tokens found in each and missed; with a host tier, bytes moved and its occupancy
         hits, host = st.hit_tokens, st.host_tier
-        yield _family(CounterMetricFamily, "cache_hit_tokens", "Prefix tokens found in a cache tier.",
-                      self.model_name, {t: hits.get(t, 0) for t in ("device", "host", "disk")}, "tier")
-        yield _family(CounterMetricFamily, "cache_miss_tokens", "Prefix tokens found in no tier.", self.model_name,
-                      {None: hits.get("miss", 0)})
+        yield counter("cache_hit_tokens", "Prefix tokens found in a cache tier.",
+                      {t: hits.get(t, 0) for t in ("device", "host", "disk")}, "tier")
+        yield counter("cache_miss_tokens", "Prefix tokens found in no tier.", {None: hits.get("miss", 0)})
         if host is not None:
             ways = ("device_to_host", "host_to_device", "host_to_disk", "disk_to_host")
-            yield _family(CounterMetricFamily, "hicache_moved_bytes", "KV bytes copied between cache tiers.",
-                          self.model_name, {w: host["moved_bytes"].get(w, 0) for w in ways}, "direction")
-            yield _family(GaugeMetricFamily, "hicache_host_used_tokens", "Host KV tier slots in use.",
-                          self.model_name, {None: host["used_tokens"]})
-            yield _family(GaugeMetricFamily, "hicache_host_total_tokens", "Host KV tier size in tokens.",
-                          self.model_name, {None: host["size_tokens"]})
+            yield counter("hicache_moved_bytes", "KV bytes copied between cache tiers.",
+                          {w: host["moved_bytes"].get(w, 0) for w in ways}, "direction")
+            yield gauge("hicache_host_used_tokens", "Host KV tier slots in use.", {None: host["used_tokens"]})
+            yield gauge("hicache_host_total_tokens", "Host KV tier size in tokens.", {None: host["size_tokens"]})
 
     # ---- feeding (event loop) ---------------------------------------------------------------------
     def on_submit(self, rids: list[str], now: float) -> None:
@@ -154,7 +146,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _family(cls: Any, name: str, doc: str, model: str, values: dict, label: str | None = None) -> Any:
+def _family(cls: Any, model: str, name: str, doc: str, values: dict, label: str | None = None) -> Any:
     """One metric family `sglang:<name>`: a sample per entry of `values` (label value -> number; {None: number}
     for one sample with no label but the model's)."""
     family = cls(f"sglang:{name}", doc, labels=["model_name", *([label] if label else [])])

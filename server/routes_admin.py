@@ -51,64 +51,47 @@ async def health_generate(request: Request) -> Response:
 @router.get("/get_model_info", deprecated=True)
 @router.get("/model_info")
 async def model_info(request: Request) -> dict[str, Any]:
-    _warn_if_deprecated(request)
-    state = server_state(request)
+    state = _state_warn_if_deprecated(request)
     flat, cfg = state.args.flat(), state.engine.cfg
-    return {
-        "model_path": flat["model_path"],
-        "tokenizer_path": None if flat["skip_tokenizer_init"] else flat["tokenizer_path"] or flat["model_path"],
-        "is_generation": True,
-        "preferred_sampling_params": None,
-        "weight_version": "default",
-        "has_image_understanding": False,
-        "has_audio_understanding": False,
-        "model_type": cfg.model_type,
-        "architectures": list(cfg.architectures),
-    }
+    return {"model_path": flat["model_path"],
+            "tokenizer_path": None if flat["skip_tokenizer_init"] else flat["tokenizer_path"] or flat["model_path"],
+            "is_generation": True, "preferred_sampling_params": None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False,
+            "model_type": cfg.model_type, "architectures": list(cfg.architectures)}
 
 
 @router.get("/get_server_info", deprecated=True)
 @router.get("/server_info")
 async def server_info(request: Request) -> dict[str, Any]:
-    _warn_if_deprecated(request)
-    state = server_state(request)
+    state = _state_warn_if_deprecated(request)
     integrity_ok = await state.async_engine.check_integrity()  # on the engine thread, between two steps
-    eng, args, st = state.engine, state.args, state.engine.stats()
+    eng, args, st, ae = state.engine, state.args, state.engine.stats(), state.async_engine
     info: dict[str, Any] = args.flat()
     if info.get("api_key"):
         info["api_key"] = "<redacted>"
     info.update({
         "max_new_tokens_cap": info["max_new_tokens_cap"] or eng.context_len,  # the limit in force
-        "served_model_name": args.model_name,
-        "context_len": eng.context_len,
+        "served_model_name": args.model_name, "context_len": eng.context_len,
         "max_total_num_tokens": st.max_total_tokens,
-        "max_req_input_len": min(eng.context_len, st.max_total_tokens) - 1,
-        "status": state.status(),
-        "dp_size": 1,
-        "captured_decode_batch_sizes": list(st.captured_batch_sizes),
-        "decode_graphs": eng.decode_graphs(),
+        "max_req_input_len": min(eng.context_len, st.max_total_tokens) - 1, "status": state.status(), "dp_size": 1,
+        "captured_decode_batch_sizes": list(st.captured_batch_sizes), "decode_graphs": eng.decode_graphs(),
         "internal_states": [{
             "last_gen_throughput": state.metrics.gen_throughput() if state.metrics is not None else None,
-            "num_running_reqs": st.num_running,
-            "num_queue_reqs": st.num_waiting,
-            "num_used_tokens": st.used_tokens,
-            "token_usage": st.token_usage,
-            "memory_usage": {"kv_cache_bytes": st.kv_cache_bytes},
-            "num_in_flight": state.async_engine.num_in_flight(),
-            "num_pending_outputs": state.async_engine.num_pending_outputs(),
-            # KV slots: free + owned by requests + held by the prefix cache == pool size, none twice
-            "integrity_ok": integrity_ok,
+            "num_running_reqs": st.num_running, "num_queue_reqs": st.num_waiting, "num_used_tokens": st.used_tokens,
+            "token_usage": st.token_usage, "memory_usage": {"kv_cache_bytes": st.kv_cache_bytes},
+            "num_in_flight": ae.num_in_flight(), "num_pending_outputs": ae.num_pending_outputs(),
+            "integrity_ok": integrity_ok,  # KV slots: free + requests' + prefix cache's == pool size, none twice
         }],
-        "uptime_s": round(time.time() - state.started, 3),
-        "version": __version__,
+        "uptime_s": round(time.time() - state.started, 3), "version": __version__,
     })
     return info
 
 
-def _warn_if_deprecated(request: Request) -> None:
+def _state_warn_if_deprecated(request: Request) -> ServerState:
     path = request.url.path
     if path.startswith("/get_"):
         logger.warning("%s is deprecated; use %s", path, path.removeprefix("/get"))
+    return server_state(request)
 
 
 def _tokenizer(state: ServerState) -> Any:
@@ -174,20 +157,11 @@ def _pool_info(request: Request, layer_id: int, buffer: str | None = None) -> di
 async def pools(request: Request) -> dict[str, Any]:
     eng = server_state(request).engine
     pool, st = eng.pool, eng.stats()
-    return {
-        "pool_class": type(pool).__name__,
-        "device": str(pool.device),
-        "dtype": str(pool.dtype).removeprefix("torch."),
-        "page_size": pool.page_size,
-        "size_tokens": st.max_total_tokens,
-        "used_tokens": st.used_tokens,
-        "free_tokens": st.free_tokens,
-        "evictable_tokens": st.evictable_tokens,
-        "bytes_per_token": pool.bytes_per_token(),
-        "total_bytes": pool.total_bytes(),
-        "sub_pools": pool.sub_pools_info(),
-        "host_tier": st.host_tier,
-    }
+    return {"pool_class": type(pool).__name__, "device": str(pool.device),
+            "dtype": str(pool.dtype).removeprefix("torch."), "page_size": pool.page_size,
+            "size_tokens": st.max_total_tokens, "used_tokens": st.used_tokens, "free_tokens": st.free_tokens,
+            "evictable_tokens": st.evictable_tokens, "bytes_per_token": pool.bytes_per_token(),
+            "total_bytes": pool.total_bytes(), "sub_pools": pool.sub_pools_info(), "host_tier": st.host_tier}
 
 
 @router.get("/pools/layers")
