@@ -3,8 +3,7 @@
 On the first SIGTERM/SIGINT: /health turns 503 and new generations get 503 at once; running requests get
 `--shutdown-grace-period` seconds to finish, the rest are aborted (their clients still receive a response
 with finish_reason abort); only then does uvicorn close its listeners and connections. The process exits 0.
-A second SIGINT forces uvicorn's immediate exit.
-"""
+A second SIGINT forces uvicorn's immediate exit."""
 
 from __future__ import annotations
 
@@ -41,10 +40,9 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # NOTE: runs as a Python signal handler on the main thread (the loop's thread), between two
-        # bytecodes of whatever the loop was doing: only flag and schedule here. The signal is not
-        # recorded in `_captured_signals`, so uvicorn will not re-raise it at exit: a drained
-        # shutdown is a clean exit 0.
+        # NOTE: runs as a Python signal handler on the main thread (the loop's thread), between two bytecodes of
+        # whatever the loop was doing: only flag and schedule here. The signal is not recorded in
+        # `_captured_signals`, so uvicorn will not re-raise it at exit: a drained shutdown is a clean exit 0.
         if self._draining or self._loop is None:
             if sig == signal.SIGINT:
                 self.force_exit = True

@@ -58,8 +58,7 @@ class BodyLimit:
     """Refuse bodies over `limit` bytes with 413 before anything parses them: a declared Content-Length at once,
     otherwise as soon as the body (chunked or not), read here, passes the limit; the app then gets it in one
     message, and later `receive` calls (the disconnect) go to the client. NOTE: reading here, not inside the app,
-    is what makes a chunked body a 413 on every route: FastAPI turns any error while it reads a body into a 400.
-    """
+    is what makes a chunked body a 413 on every route: FastAPI turns any error while it reads a body into a 400."""
 
     def __init__(self, app: ASGIApp, limit: int) -> None:
         self.app, self.limit = app, limit

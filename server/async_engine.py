@@ -6,8 +6,7 @@ NOTE: the engine thread is the only thread that runs torch: it builds the engine
 steps it. libgomp gives every thread that runs a parallel region an OpenMP pool of its own, and once
 the pools hold more threads than there are CPUs its workers stop spin-waiting between regions, so
 each region pays a futex wake-up: a model built on the main thread and stepped on this one ran every
-small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us).
-"""
+small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
 
 from __future__ import annotations
 
@@ -203,8 +202,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     async def check_integrity(self) -> bool | None:
-        """The KV pool's integrity (`Engine.integrity_ok`), checked on the engine thread; None while it warms up
-        (or has stopped)."""
+        """The KV pool's check `Engine.integrity_ok`, on the engine thread; None while it warms up or has stopped."""
         return None if self.warming or not self.alive else await self.on_engine_thread(self._integrity_ok)
 
     def _integrity_ok(self) -> bool:

@@ -13,21 +13,7 @@ from fastapi.responses import Response
 from pydantic import BaseModel
 
 from engine.runtime.tokenizer import Tokenizer
-from server.openai_format import (
-    AssistantMessage,
-    ChatChoice,
-    ChatCompletionChunk,
-    ChatCompletionResponse,
-    ChatStreamChoice,
-    ChoiceLogprobs,
-    CompletionChoice,
-    CompletionResponse,
-    UsageInfo,
-    chat_logprobs,
-    completion_logprobs,
-    finish_fields,
-    prompt_logprobs,
-)
+from server import openai_format as fmt
 from server.openai_protocol import ChatCompletionRequest, CompletionRequest
 from server.submission import Submission, respond
 
@@ -44,13 +30,13 @@ class _Shaper:
         self.prompt_tokens, self.n = sum(len(p) for p in prompts), req.n or 1
         self.head = {"id": sub.id, "created": int(time.time()), "model": req.model}
 
-    def usage(self) -> UsageInfo:
+    def usage(self) -> fmt.UsageInfo:
         """Each prompt counted once (not once per sample); every sample's generated tokens counted."""
         prompt, joined = self.prompt_tokens, self.sub.joined
         completion = sum(len(j.output_ids) for j in joined)
         cached = sum(j.last.cached_tokens for j in joined[::self.n] if j.last is not None)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                         prompt_tokens_details={"cached_tokens": cached} if self.cache_report else None)
+        return fmt.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                             prompt_tokens_details={"cached_tokens": cached} if self.cache_report else None)
 
     def head_frames(self) -> Iterable[str]:
         return ()
@@ -70,7 +56,7 @@ class _Shaper:
 
 
 class CompletionShaper(_Shaper):
-    chunk_type = CompletionResponse
+    chunk_type = fmt.CompletionResponse
 
     def __init__(self, sub: Submission, req: CompletionRequest, tok: Tokenizer, prompts: list[list[int]],
                  given: list[Any], cache_report: bool) -> None:
@@ -80,12 +66,13 @@ class CompletionShaper(_Shaper):
         self.offsets = [0] * len(sub.rids)  # text_offset of each sequence's next token
         self.started = [False] * len(sub.rids)
 
-    def choice(self, i: int, text: str, lp: Any, reason: Any, joined: Any) -> CompletionChoice:
+    def choice(self, i: int, text: str, lp: Any, reason: Any, joined: Any) -> fmt.CompletionChoice:
         logprobs = None
         if self.req.logprobs is not None and lp is not None:
-            logprobs, self.offsets[i] = completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
-        plp = prompt_logprobs(self.tok, joined.logprobs, self.req.prompt_logprobs) if reason is not None else None
-        return CompletionChoice(index=i, text=text, logprobs=logprobs, prompt_logprobs=plp, **finish_fields(reason))
+            logprobs, self.offsets[i] = fmt.completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
+        plp = fmt.prompt_logprobs(self.tok, joined.logprobs, self.req.prompt_logprobs) if reason is not None else None
+        return fmt.CompletionChoice(index=i, text=text, logprobs=logprobs, prompt_logprobs=plp,
+                                    **fmt.finish_fields(reason))
 
     def frame(self, i: int, out: Any) -> str | None:
         text = (self.texts[i // self.n] if self.echo and not self.started[i] else "") + out.new_text
@@ -99,37 +86,38 @@ class CompletionShaper(_Shaper):
     def response(self, joined: list) -> dict[str, Any]:
         choices = [self.choice(i, (self.texts[i // self.n] if self.echo else "") + j.text, j.logprobs,
                                j.last.finish_reason, j) for i, j in enumerate(joined)]
-        return CompletionResponse(**self.head, choices=choices, usage=self.usage()).model_dump(mode="json")
+        return fmt.CompletionResponse(**self.head, choices=choices, usage=self.usage()).model_dump(mode="json")
 
 
 class ChatShaper(_Shaper):
-    chunk_type = ChatCompletionChunk
+    chunk_type = fmt.ChatCompletionChunk
     req: ChatCompletionRequest
 
     def head_frames(self) -> Iterator[str]:
         for i in range(len(self.sub.rids)):
-            yield self.chunk(ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
+            yield self.chunk(fmt.ChatStreamChoice(index=i, delta={"role": "assistant", "content": ""}))
 
     def frame(self, i: int, out: Any) -> str | None:
         """The new content, then the finish in a chunk of its own (SGLang's and OpenAI's shape). With vLLM's
         continuous_usage_stats the last content chunk carries the finish, so every chunk's count rises."""
         lines, one = [], self.req.continuous_usage
-        entries = chat_logprobs(self.tok, out.logprobs) if self.req.logprobs and out.logprobs else []
-        ends = finish_fields(out.finish_reason if out.finished else None)
+        entries = fmt.chat_logprobs(self.tok, out.logprobs) if self.req.logprobs and out.logprobs else []
+        ends = fmt.finish_fields(out.finish_reason if out.finished else None)
         if out.new_text or entries or (one and out.finished):
-            lp = ChoiceLogprobs(content=entries) if self.req.logprobs else None
-            lines.append(self.chunk(ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp,
-                                                     **(ends if one else {}))))
+            lp = fmt.ChoiceLogprobs(content=entries) if self.req.logprobs else None
+            lines.append(self.chunk(fmt.ChatStreamChoice(index=i, delta={"content": out.new_text}, logprobs=lp,
+                                                         **(ends if one else {}))))
         if out.finished and not one:
-            lines.append(self.chunk(ChatStreamChoice(index=i, delta={}, **ends)))
+            lines.append(self.chunk(fmt.ChatStreamChoice(index=i, delta={}, **ends)))
         return "".join(lines) or None
 
     def response(self, joined: list) -> dict[str, Any]:
         choices = []
         for i, j in enumerate(joined):
-            lp = ChoiceLogprobs(content=chat_logprobs(self.tok, j.logprobs)) if self.req.logprobs and j.logprobs else None
-            choices.append(ChatChoice(index=i, message=AssistantMessage(content=j.text), logprobs=lp,
-                                      **finish_fields(j.last.finish_reason)))
-        plp = prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs)
-        resp = ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(), prompt_logprobs=plp)
+            lp = (fmt.ChoiceLogprobs(content=fmt.chat_logprobs(self.tok, j.logprobs))
+                  if self.req.logprobs and j.logprobs else None)
+            choices.append(fmt.ChatChoice(index=i, message=fmt.AssistantMessage(content=j.text), logprobs=lp,
+                                          **fmt.finish_fields(j.last.finish_reason)))
+        plp = fmt.prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs)
+        resp = fmt.ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(), prompt_logprobs=plp)
         return resp.model_dump(mode="json")

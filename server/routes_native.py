@@ -76,8 +76,7 @@ def _rids(rid: str | list[str] | None, k: int, single: bool) -> list[str]:
     return list(rid)
 
 
-def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None
-                  ) -> tuple[list[NewRequest], bool]:
+def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None) -> tuple[list[NewRequest], bool]:
     """The engine requests of a /generate body, and whether the response is one object, not a list (one prompt
     given as a scalar, n == 1); raises BadRequest for shape and batch errors."""
     prompts, scalar = _prompts(req, tok)

@@ -100,8 +100,7 @@ def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], m
 # ---- /v1/completions ------------------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
-    state = server_state(request)
-    req = await _parse(request, CompletionRequest)
+    state, req = server_state(request), await _parse(request, CompletionRequest)
     tok = _check(state, req)
     cap = min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
     if req.logprobs is not None and req.logprobs > cap:
@@ -120,8 +119,7 @@ async def completions(request: Request) -> Response:
 # ---- /v1/chat/completions --------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
-    state = server_state(request)
-    req = await _parse(request, ChatCompletionRequest)
+    state, req = server_state(request), await _parse(request, ChatCompletionRequest)
     tok = _check(state, req)
     if req.top_logprobs and not req.logprobs:
         raise ApiError(400, "top_logprobs needs logprobs to be true.")

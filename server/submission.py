@@ -74,8 +74,7 @@ class Submission:
             while (await request.receive()).get("type") != "http.disconnect":
                 pass
 
-        results = asyncio.ensure_future(drain())
-        gone = asyncio.ensure_future(wait_disconnect())
+        results, gone = asyncio.ensure_future(drain()), asyncio.ensure_future(wait_disconnect())
         try:
             await asyncio.wait({results, gone}, return_when=asyncio.FIRST_COMPLETED)
             if not results.done():
