@@ -40,8 +40,7 @@ class CudaGraphs:
         NOTE: one warm-up run before the first capture (lazy initializations happen there), and capture_begin /
         capture_end rather than `torch.cuda.graph`, which synchronizes, collects garbage and empties the cache
         around every capture: 84 graphs took 17.9 s that way (H200, configs/tiny). Each graph copies its logits into
-        one shared buffer, so its own output goes back to the pool with its other temporaries (kept, each graph's
-        held [rows, vocab] for good: ~400 MB over the mid-size model's 54 graphs)."""
+        one shared buffer and frees its own (kept, they took ~400 MB over the mid-size model's 54 graphs)."""
         pool, side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):

@@ -65,9 +65,8 @@ class ModelRunner:
         return DecodeBatch(ids, pos, batch.out_cache_loc.to(dev, torch.int64), keys.to(torch.int64))
 
     def sampled(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """The tokens just sampled for the last batch (on the device: the next decode step's inputs if it is steady),
-        on their way to the host, and the event to wait for before reading them: on CUDA a copy into pinned memory
-        behind an event (nothing waits until they are read); elsewhere the tokens themselves."""
+        """Keep the tokens just sampled (on the device: a steady next step's inputs); return them on their way to the
+        host and the event to wait for before reading them (CUDA: a copy into pinned memory; else themselves)."""
         self._tokens = tokens
         if self.device.type != "cuda":
             return tokens, None

@@ -1,8 +1,6 @@
 """The engine's request ids (under the engine's lock): which are live (submitted, not finished) and which samples each
 n > 1 request expanded into (`group`), so that a duplicate id is refused and an abort reaches all of its samples."""
 
-from __future__ import annotations
-
 
 class RidTable:
     def __init__(self) -> None:

@@ -70,9 +70,8 @@ class Scheduler:
         return self._prefill_batch() or self._decode_batch()
 
     def steady_next(self) -> bool:
-        """Whether the next batch is a steady decode step that may be launched before the last one's tokens are read
-        back (the engine's overlap): nothing waiting, the last decode's requests, room for all, and no one's token on
-        the device its last by length."""
+        """Whether the next batch may be launched before the last one's tokens are read back (the engine's overlap):
+        a steady decode step (nothing waiting, the same requests, room), no token on the device a last by length."""
         return (not self.waiting and self._decoded is not None and self.kv.can_allocate(len(self.running))
                 and sorted(self.running, key=lambda r: r.num_computed) == self._decoded
                 and not any(r.stop.at_length(len(r.output_ids) + r.inflight, len(r.prompt_ids)) for r in self.running))
