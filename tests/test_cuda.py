@@ -4,8 +4,8 @@ fp32 on CUDA against fp32 on CPU (shipped weights, a prompt past the sparse laye
 selection runs on both); bf16 on CUDA as a smoke test against fp32 (top-1 agreement and mean KL: bf16 rounding
 flips a few block selections, so its logits are not held to fp32's tolerance); captured decode against eager
 over 80 tokens that cross a block boundary and a key bucket, with the graphs replayed; the model's decode step
-under CUDA's sync debug mode (no host sync inside); the overlap schedule against reading each step back; the server
-over HTTP; the host KV tier under a CUDA pool.
+and steady engine steps under CUDA's sync debug mode (no host sync); the overlap schedule against reading each step
+back; the server over HTTP; the host KV tier under a CUDA pool.
 """
 
 from __future__ import annotations
@@ -92,6 +92,26 @@ def test_overlapped_steps_on_cuda_match_steps_read_back_one_by_one():
 
     torch.backends.cuda.matmul.allow_tf32 = False
     assert run() == run(disable_overlap_schedule=True)
+
+
+def test_steady_engine_steps_have_no_host_sync():
+    """Steady decode steps through `engine.step()` (captured graphs, overlapped, greedy and sampled rows) under CUDA's
+    sync debug mode: the sampled ids reach the host through pinned memory and an event, never a synchronizing copy."""
+    e = make_engine(device="cuda", model_path=TINY, load_format="auto", disable_cuda_graph=False, cuda_graph_bs=[4])
+    e.warm_up()
+    for n, t in ((30, 0.0), (300, 0.8), (420, 0.0), (599, 0.8)):
+        e.add_requests([NewRequest(PROMPT[:n], SamplingParams.from_dict(
+            {"max_new_tokens": 40, "temperature": t, "sampling_seed": n, "ignore_eos": True}))])
+    for _ in range(4):  # (the prefills, then steady decode)
+        e.step()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(8):
+            assert all(len(o.new_ids) == 1 for o in e.step())
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert e._overlap and e.stats().num_running == 4
 
 
 def test_http_round_trip_on_cuda(tmp_path):
