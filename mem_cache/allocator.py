@@ -43,29 +43,31 @@ class TokenSlotAllocator:
         self._allocated[slots] = True
         return slots
 
-    def free(self, slots: torch.Tensor) -> None:
+    def free(self, slots: torch.Tensor, checked: bool = True) -> None:
         """Give `slots` (any integer tensor) back; a slot outside `1 .. size`, given twice or not allocated is
-        refused by name, leaving the allocator untouched."""
+        refused by name, leaving the allocator untouched. `checked=False` (the prefix tree's evictions: its own
+        distinct slots): no checks, which read on the host (on a GPU, a sync at every step a full pool evicts)."""
         slots = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
         if slots.numel() == 0:
             return
-        bad = (slots < 1) | (slots > self.size)
-        if bool(bad.any()):
-            slot = int(slots[bad][0])
-            raise ValueError(f"TokenSlotAllocator.free: slot {slot} is outside the allocatable range "
-                             f"[1, {self.size}]" + (" (it is the reserved padding slot)" if slot == 0 else ""))
-        uniq, counts = torch.unique(slots, return_counts=True)
-        if bool((counts > 1).any()):
-            raise ValueError(f"TokenSlotAllocator.free: slot {int(uniq[counts > 1][0])} given twice (double free)")
-        not_owned = ~self._allocated[slots]
-        if bool(not_owned.any()):
-            raise ValueError(f"TokenSlotAllocator.free: slot {int(slots[not_owned][0])} is not allocated "
-                             "(double free?)")
+        if checked:
+            bad = (slots < 1) | (slots > self.size)
+            if bool(bad.any()):
+                slot = int(slots[bad][0])
+                raise ValueError(f"TokenSlotAllocator.free: slot {slot} is outside the allocatable range "
+                                 f"[1, {self.size}]" + (" (it is the reserved padding slot)" if slot == 0 else ""))
+            uniq, counts = torch.unique(slots, return_counts=True)
+            if bool((counts > 1).any()):
+                raise ValueError(f"TokenSlotAllocator.free: slot {int(uniq[counts > 1][0])} given twice (double free)")
+            not_owned = ~self._allocated[slots]
+            if bool(not_owned.any()):
+                raise ValueError(f"TokenSlotAllocator.free: slot {int(slots[not_owned][0])} is not allocated "
+                                 "(double free?)")
         self._allocated[slots] = False
         # NOTE: the free list stays sorted, so a request's slots come out consecutive whenever the
         # pool allows it, and a long prefill reads its K/V as a view instead of gathering. (A host tier's slots
         # are only copied: it skips the sort, a CPU sort of its whole free list at every free.)
-        self._free = torch.cat([self._free, uniq])
+        self._free = torch.cat([self._free, slots])
         if self.keep_sorted:
             self._free = torch.sort(self._free).values
 

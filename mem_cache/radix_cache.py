@@ -132,7 +132,7 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
         self._evictable -= count
-        self.allocator.free(self._cat([n.value for n in freed]))
+        self.allocator.free(self._cat([n.value for n in freed]), checked=False)  # (the tree's own slots)
         return count
 
     def flush(self) -> None:

@@ -7,6 +7,7 @@ import torch
 
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
+from engine.runtime.decode_graph import decode_step
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.model_runner import ModelRunner
 from engine.runtime.scheduler import ScheduledBatch
@@ -42,6 +43,11 @@ class PagedModel:
         assert self.kv.check_integrity()
         return [torch.cat(o) for o in out]
 
+    @torch.no_grad()
+    def decode_step(self, batch: DecodeBatch) -> torch.Tensor:
+        """The runner's decode step, eager."""
+        return decode_step(self.runner.model, self.runner.pool, batch)
+
     def step(self, kvs: list, ids: list[list[int]]) -> list[torch.Tensor]:
         """One batched step: request i feeds ids[i]; its logits at each fed position."""
         prefix = [kv.num_computed for kv in kvs]
@@ -75,7 +81,7 @@ def assert_captured_equals_eager(paged: PagedModel, rows: int) -> None:
         batch = paged.decode_batch(kvs, last)
         assert paged.runner.graphs.bucket(rows) in paged.runner.captured_batch_sizes()
         captured = paged.runner.graphs.run(batch)
-        eager = paged.runner.decode_step(batch)  # writes the same K/V again: same values
+        eager = paged.decode_step(batch)  # writes the same K/V again: same values
         assert captured.shape == eager.shape == (rows, cfg.vocab_size)
         assert (captured - eager).abs().max().item() < 1e-5
         assert captured.argmax(-1).tolist() == eager.argmax(-1).tolist()

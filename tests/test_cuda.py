@@ -72,7 +72,7 @@ def test_decode_step_has_no_host_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        p.runner.decode_step(batch)
+        p.decode_step(batch)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -97,21 +97,25 @@ def test_overlapped_steps_on_cuda_match_steps_read_back_one_by_one():
 def test_steady_engine_steps_have_no_host_sync():
     """Steady decode steps through `engine.step()` (captured graphs, overlapped, greedy and sampled rows) under CUDA's
     sync debug mode: the sampled ids reach the host through pinned memory and an event, never a synchronizing copy."""
-    e = make_engine(device="cuda", model_path=TINY, load_format="auto", disable_cuda_graph=False, cuda_graph_bs=[4])
+    e = make_engine(device="cuda", model_path=TINY, load_format="auto", disable_cuda_graph=False, cuda_graph_bs=[4],
+                    max_total_tokens=1700)
     e.warm_up()
+    for i in range(20):  # (a prefix cache the steady steps must evict from: its frees must not sync either)
+        solo(e, [100 + i] * 25, max_new_tokens=1)
     for n, t in ((30, 0.0), (300, 0.8), (420, 0.0), (599, 0.8)):
         e.add_requests([NewRequest(PROMPT[:n], SamplingParams.from_dict(
-            {"max_new_tokens": 40, "temperature": t, "sampling_seed": n, "ignore_eos": True}))])
+            {"max_new_tokens": 60, "temperature": t, "sampling_seed": n, "ignore_eos": True}))])
     for _ in range(4):  # (the prefills, then steady decode)
         e.step()
     torch.cuda.synchronize()
+    cached = e.stats().cached_tokens
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(8):
+        for _ in range(30):
             assert all(len(o.new_ids) == 1 for o in e.step())
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert e._overlap and e.stats().num_running == 4
+    assert e._overlap and e.stats().num_running == 4 and e.stats().cached_tokens < cached
 
 
 def test_http_round_trip_on_cuda(tmp_path):

@@ -64,7 +64,7 @@ def test_one_graph_serves_every_key_length_and_grad_mode(tiny3):
             batch = DecodeBatch(torch.full((rows,), 5), torch.full((rows,), n - 1), torch.arange(rows) + 1, keys)
             with torch.set_grad_enabled(grad), torch.compiler.set_stance("fail_on_recompile"):
                 captured = p.runner.graphs.run(batch)
-            assert (captured - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+            assert (captured - p.decode_step(batch)).abs().max().item() < 1e-5
     info = p.runner.graphs.info()
     assert info["guard_misses"] == info["eager_steps"] == info["compiles_since_warm_up"] == 0, info
 
@@ -77,7 +77,7 @@ def test_dense_only_model_through_the_batch_one_graph(tmp_path):
     assert p.runner.min_keys == 2 * SUM_PIECE
     for n in (p.runner.min_keys, 1024 + SUM_PIECE):  # (decode key counts are whole pieces)
         batch = DecodeBatch(torch.tensor([5]), torch.tensor([n - 1]), torch.tensor([n]), torch.arange(n)[None] + 1)
-        assert (p.runner.graphs.run(batch) - p.runner.decode_step(batch)).abs().max().item() < 1e-5
+        assert (p.runner.graphs.run(batch) - p.decode_step(batch)).abs().max().item() < 1e-5
     assert p.runner.graphs.guard_misses() == 0
 
 

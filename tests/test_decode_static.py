@@ -48,7 +48,7 @@ def test_moe_flops_in_a_decode_step_are_the_chosen_experts(many_experts, rows):
     batch = p.decode_batch(kvs, [7] * rows)
     moes = [m for m in p.runner.model.modules() if isinstance(m, MoE)]
     with FlopCounterMode(display=False) as fc:
-        p.runner.decode_step(batch)
+        p.decode_step(batch)
     counts = fc.get_flop_counts()
     cfg = p.runner.model.cfg
     h, i, k = cfg.hidden_size, cfg.intermediate_size, cfg.num_experts_per_tok

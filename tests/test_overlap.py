@@ -65,6 +65,7 @@ def test_overlapped_steps_give_the_same_outputs():
                 for a, b in zip(got[rid].logprobs.output_token, want.logprobs.output_token):
                     assert a[0] == pytest.approx(b[0], abs=1e-4)
     assert any(r.finish_reason["type"] == "stop" for r in got.values())
+    assert engine._pending is None  # (a step of finished requests only is dropped, not kept while idle)
     assert engine.flush_cache() and engine.stats().free_tokens == 8192
 
 
@@ -82,6 +83,7 @@ def test_retractions_and_an_abort_while_a_step_is_pending(abort):
         assert engine.check_integrity()
     if abort:
         assert engine._pending is not None and engine._pending[0][0].rid == rids[0]
+        assert engine._pending[1] == [None] * 6  # (no logprobs asked: the step's logits are not kept)
         engine.abort(rids[0])
     got = run_all(engine, joined=joined)
     assert sum(launched) > 10 and (got[rids[0]].finish_reason["type"] == "abort") == abort
@@ -123,3 +125,14 @@ def test_tokens_that_end_by_length_are_read_back_before_another_step():
         return len(calls)
 
     assert steps(overlapped()[0]) == steps(make_engine()) == 8
+
+
+def test_a_full_batch_with_a_queue_behind_it_still_overlaps():
+    """With every row taken, a waiting request cannot be admitted: the next step is a steady decode all the same."""
+    engine, launched = overlapped(max_running_requests=2)
+    prompts = [[20 + i] * 30 for i in range(4)]
+    params = {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}
+    rids = [submit(engine, p, **params)[0] for p in prompts]
+    got = run_all(engine)
+    assert sum(launched) >= 30  # (two waves of 20 tokens, ~17 steady steps each)
+    assert [got[r].output_ids for r in rids] == [solo(make_engine(), p, **params).output_ids for p in prompts]

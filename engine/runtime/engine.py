@@ -126,8 +126,8 @@ class Engine:
         launched = self._run(batch) if batch is not None else None
         self._read_back()  # (overlapped: the last step's tokens, while the device computes this one)
         self._pending = launched
-        if not self._overlap:
-            self._read_back()
+        if not self._overlap or (launched and all(r.finished for r in launched[0])):
+            self._read_back()  # (off; or only tokens computed ahead, dropped without waiting for them)
         return self._collect()
 
     def _drain_inbox(self) -> None:
@@ -175,14 +175,15 @@ class Engine:
                                       [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress, steady)
         for r in reqs:
             r.inflight += 1
-        return reqs, logits, *self._runner.sampled(tokens)
+        keep = logits if any(r.logprob.return_logprob for r in reqs) else [None] * len(reqs)  # (logprobs' rows)
+        return reqs, keep, *self._runner.sampled(tokens)
 
     def _read_back(self) -> None:
         """Accept the pending step's tokens (the step's one device-to-host copy, waited for here), if there is one."""
         if self._pending is None:
             return
         (reqs, logits, ids, ready), self._pending = self._pending, None
-        if ready is not None:
+        if ready is not None and not all(r.finished for r in reqs):
             ready.synchronize()
         for req, row, tok in zip(reqs, logits, ids.tolist()):
             req.inflight -= 1
@@ -210,8 +211,7 @@ class Engine:
         self._touched = {}
         if finished:
             with self._cond:
-                for rid in finished:
-                    self._rids.finished(rid)
+                self._rids.finished(finished)
         return outs
 
     def fail_all(self, message: str) -> list[RequestOutput]:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
-from engine.runtime.decode_graph import KEY_BUCKET, DecodeGraphs, decode_step, graph_buckets
+from engine.runtime.decode_graph import KEY_BUCKET, DecodeGraphs, graph_buckets
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.graph_passes import SUM_PIECE
 from engine.runtime.scheduler import ScheduledBatch
@@ -38,10 +38,6 @@ class ModelRunner:
 
     def warm_up(self) -> None:
         self.graphs.warm_up()
-
-    @torch.no_grad()
-    def decode_step(self, batch: DecodeBatch) -> torch.Tensor:  # (eager)
-        return decode_step(self.model, self.pool, batch)
 
     @torch.no_grad()
     def forward(self, batch: ScheduledBatch, table: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:

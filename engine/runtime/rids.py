@@ -22,10 +22,11 @@ class RidTable:
                 self.member.update({s: rid for s in self.group[rid]})
         return out
 
-    def finished(self, rid: str) -> None:
-        """Forget a finished rid (an n > 1 request with its last sample)."""
-        self.live.discard(rid)
-        group = self.member.get(rid)
-        if group is not None and not any(r in self.live for r in self.group[group]):
-            for r in self.group.pop(group):
-                self.member.pop(r, None)
+    def finished(self, rids: list[str]) -> None:
+        """Forget finished rids (an n > 1 request with its last sample)."""
+        for rid in rids:
+            self.live.discard(rid)
+            group = self.member.get(rid)
+            if group is not None and not any(r in self.live for r in self.group[group]):
+                for r in self.group.pop(group):
+                    self.member.pop(r, None)

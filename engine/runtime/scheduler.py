@@ -71,10 +71,10 @@ class Scheduler:
 
     def steady_next(self) -> bool:
         """Whether the next batch may be launched before the last one's tokens are read back (the engine's overlap):
-        a steady decode step (nothing waiting, the same requests, room), no token on the device a last by length."""
-        return (not self.waiting and self._decoded is not None and self.kv.can_allocate(len(self.running))
-                and sorted(self.running, key=lambda r: r.num_computed) == self._decoded
-                and not any(r.stop.at_length(len(r.output_ids) + r.inflight, len(r.prompt_ids)) for r in self.running))
+        a steady decode (none waiting or no row for one; the same requests; room), no token on the device a last."""
+        full, decoded = len(self.running) >= self.max_running, sorted(self.running, key=lambda r: r.num_computed)
+        return ((not self.waiting or full) and decoded == self._decoded and self.kv.can_allocate(len(decoded))
+                and not any(r.stop.at_length(len(r.output_ids) + r.inflight, len(r.prompt_ids)) for r in decoded))
 
     def _admit(self, req: Req) -> None:
         """Give a request a row and its cached prefix: at least one token must be computed (for the
