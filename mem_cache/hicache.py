@@ -164,9 +164,9 @@ class HiCache:
         self.tree.dec_lock_ref(keep)
         return self.host.allocator.alloc(n) if self.host.allocator.can_alloc(n) else None
 
-    def _insert(self, tokens: list[int], slots: torch.Tensor, node: TreeNode) -> None:
+    def _insert(self, tokens: list[int], slots: torch.Tensor, node: TreeNode, own_from: int) -> None:
         self.tree.inc_lock_ref(node)  # (cache_finished_req releases a lock)
-        self.tree.cache_finished_req(tokens, slots, node)
+        self.tree.cache_finished_req(tokens, slots, node, own_from)
 
     def _to_disk(self, tokens: list[int], host_slots: torch.Tensor) -> None:
         if self.disk is not None:
@@ -185,7 +185,7 @@ class HiCache:
             self.host.allocator.free(new)
             return
         self.moved_bytes["device_to_host"] += n * self.host.bytes_per_token
-        self._insert(tokens, slots := torch.cat([have, new]), node)
+        self._insert(tokens, slots := torch.cat([have, new]), node, have.numel())
         if self.write_through:
             self._to_disk(tokens, slots)
 
@@ -208,7 +208,7 @@ class HiCache:
                 pages.append(page)
             if pages:
                 self.moved_bytes["disk_to_host"] += len(pages) * self.disk.page_bytes
-                self._insert(tokens[:start + len(pages) * PAGE], torch.cat([slots[:start], *pages]), node)
+                self._insert(tokens[:start + len(pages) * PAGE], torch.cat([slots[:start], *pages]), node, start)
                 slots, node = self.tree.match_prefix(tokens)
         self.tree.inc_lock_ref(node)
         return slots, node, slots.numel() - found

@@ -178,7 +178,7 @@ class KVCacheManager:
             self.radix.evict(n - self.allocator.available_size())
             new = self.allocator.alloc(n)
             if self.hicache.load(host[have:], new):
-                self.radix.cache_finished_req(tokens[:have + n], torch.cat([slots, new]), node)
+                self.radix.cache_finished_req(tokens[:have + n], torch.cat([slots, new]), node, have)
                 slots, node = self.radix.match_prefix(tokens)
                 self.radix.inc_lock_ref(node)
                 found.update(host=n - min(from_disk, n), disk=min(from_disk, n))
@@ -216,7 +216,7 @@ class KVCacheManager:
             self.hit_tokens.update(kv.found)
         if self.hicache is not None and self.hicache.write_through:
             self.hicache.save(list(token_ids), self.slots(kv))
-        self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node)  # (the tree clones the slots it keeps)
+        self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node, kv.cached)  # (the tree clones what it keeps)
         self.req_to_token.free(kv.row)
 
     def flush(self) -> bool:

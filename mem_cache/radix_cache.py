@@ -76,10 +76,12 @@ class RadixCache:
         node, _, values = self._descend(list(token_ids), split_inside=True)
         return self._cat(values), node
 
-    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, locked_node: TreeNode) -> None:
+    def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, locked_node: TreeNode,
+                           own_from: int) -> None:
         """Hand a finished (or aborted) request's KV to the tree and release its lock. `slots[i]` holds the KV of
-        `token_ids[i]` (the first ones may be the tree's, from `match_prefix`); slots of tokens the tree already
-        holds elsewhere are freed (disabled: every slot)."""
+        `token_ids[i]`: the tree's own (from `match_prefix`) before `own_from`, the caller's from there on, and the
+        caller's for tokens the tree already holds are freed (disabled: every slot). NOTE: found by position, not by
+        comparing slots, so nothing is read on the host (on a GPU, a sync at every request's end)."""
         slots = slots.reshape(-1).to(device=self.allocator.device, dtype=torch.int64)
         if slots.numel() != len(token_ids):
             raise ValueError(f"RadixCache: {slots.numel()} slots given for {len(token_ids)} tokens")
@@ -87,9 +89,7 @@ class RadixCache:
             self.allocator.free(slots)
             return
         self.dec_lock_ref(locked_node)  # NOTE: first, so an unbalanced unlock leaves the tree untouched
-        present, tree_slots = self._insert(list(token_ids), slots)
-        mine = slots[:present]
-        self.allocator.free(mine[mine != tree_slots])
+        self.allocator.free(slots[own_from:self._insert(list(token_ids), slots)], checked=False)
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock the path root -> `node`: none of its nodes is evicted until `dec_lock_ref`."""
@@ -214,11 +214,11 @@ class RadixCache:
             node, pos = child, pos + m
         return node, pos, values
 
-    def _insert(self, tokens: list[int], slots: torch.Tensor) -> tuple[int, torch.Tensor]:
-        """Insert `tokens`; return how many leading tokens were present and the tree's slots for them.
-        The slots of the newly inserted tokens now belong to the tree."""
-        node, pos, shared = self._descend(tokens, split_inside=False)
+    def _insert(self, tokens: list[int], slots: torch.Tensor) -> int:
+        """Insert `tokens`; return how many leading tokens were present. The slots of the newly inserted tokens now
+        belong to the tree."""
+        node, pos, _ = self._descend(tokens, split_inside=False)
         if pos < len(tokens):
             node.children[tokens[pos]] = self._node(tokens[pos:], slots[pos:].clone(), node)
             self._evictable += len(tokens) - pos
-        return pos, self._cat(shared)
+        return pos

@@ -24,7 +24,7 @@ def put(cache: RadixCache, tokens: list[int]) -> torch.Tensor:
     slots = cache.allocator.alloc(len(tokens))
     _, node = cache.match_prefix([])
     cache.inc_lock_ref(node)
-    cache.cache_finished_req(tokens, slots, node)
+    cache.cache_finished_req(tokens, slots, node, 0)
     return slots
 
 
@@ -50,7 +50,7 @@ def test_length_mismatch_and_unbalanced_unlock_raise() -> None:
     alloc, cache = make()
     _, node = cache.match_prefix([])
     with pytest.raises(ValueError, match="2 slots given for 3 tokens"):
-        cache.cache_finished_req([1, 2, 3], alloc.alloc(2), node)
+        cache.cache_finished_req([1, 2, 3], alloc.alloc(2), node, 0)
     put(cache, [1, 2])
     _, node = cache.match_prefix([1, 2])
     with pytest.raises(RuntimeError, match="not locked"):
