@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
 import time
 
 import torch
@@ -21,7 +22,6 @@ from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs
 from engine.runtime.engine_args import EngineArgs
-from engine.runtime.graph_passes import BatchOneForms
 from engine.runtime.precompiled import PrecompiledStep, store_path
 from mem_cache import MiniMaxSparseKVPool
 
@@ -35,6 +35,10 @@ CPU_MAX_BS = 64  # NOTE: CPU buckets past 64 rows would add compile time for ste
 # CUDA_MAX_KEYS keys (past it, eager).
 KEY_BUCKET = 64
 CUDA_MAX_KEYS = 8192
+# One row's softmax sums its keys in pieces of this many (graph_passes' `one_row_attention`). A decode step's key
+# count is a multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece count
+# is a size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
+SUM_PIECE = 64
 
 
 def graph_buckets(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
@@ -66,13 +70,14 @@ class DecodeGraphs:
                                                 if max(min_keys, 1 << j >> 1) < top))
             self._cuda = CudaGraphs(lambda b: decode_step(model, pool, b), buckets, self.key_buckets, device)
             return
-        # NOTE: two graphs: batch 1 (static; its matrix-vector products as inductor's own sums, see graph_passes)
-        # with the C++ wrapper, which saves the Python launch overhead of ~150 kernel calls (measured 4.4 -> 3.1 ms
-        # a step), and every other bucket (batch dynamic) without it: its kernels run long enough, and it compiles
-        # ~20 s faster. The C++ wrapper is built apart from its kernels (the wrapper at -O1): its cold compile 80 ->
-        # 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
-        one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True,
-               "post_grad_custom_post_pass": BatchOneForms()}
+        # NOTE: two graphs: batch 1 (static; its matrix-vector products as inductor's own sums, see graph_passes, which
+        # is imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, which saves the Python launch
+        # overhead of ~150 kernel calls (4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its
+        # kernels run long enough, and it compiles ~20 s faster. The C++ wrapper is built apart from its kernels (the
+        # wrapper at -O1): cold compile 80 -> 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
+        from engine.runtime.graph_passes import BatchOneForms
+
+        one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
         self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
         self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
 
@@ -146,8 +151,8 @@ class DecodeGraphs:
 
 
 def _compiles() -> int:
-    """Graphs dynamo has compiled in this process (any `torch.compile`, ours or not)."""
-    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    """Graphs dynamo compiled in this process, any (none if never imported: CUDA and eager starts skip its ~0.9 s)."""
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"] if "torch._dynamo" in sys.modules else 0
 
 
 def _marked(batch: DecodeBatch) -> DecodeBatch:

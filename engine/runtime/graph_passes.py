@@ -30,14 +30,11 @@ from torch._inductor.pattern_matcher import (
 from engine.kernels import moe_experts, paged_attention
 from engine.model import layers
 from engine.model.layers import gathered_experts
+from engine.runtime.decode_graph import SUM_PIECE
 
 aten, minimax = torch.ops.aten, torch.ops.minimax
 _PATTERNS = PatternMatcherPass(pass_name="matvec_as_reduction")
 _OPS = PatternMatcherPass(pass_name="one_row_ops")
-# One row's softmax sums its keys in pieces of this many (see `one_row_attention`). A decode step's key count is a
-# multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece count is a
-# size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
-SUM_PIECE = 64
 NEG_INF = float("-inf")
 
 

@@ -9,9 +9,8 @@ import torch.nn.functional as F
 
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
-from engine.runtime.decode_graph import KEY_BUCKET, DecodeGraphs, graph_buckets
+from engine.runtime.decode_graph import KEY_BUCKET, SUM_PIECE, DecodeGraphs, graph_buckets
 from engine.runtime.engine_args import EngineArgs
-from engine.runtime.graph_passes import SUM_PIECE
 from engine.runtime.scheduler import ScheduledBatch
 from mem_cache import MiniMaxSparseKVPool
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from engine.kernels.build import cache_dir
+from engine.kernels import build, moe_experts
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from mem_cache import MiniMaxSparseKVPool
@@ -87,6 +87,7 @@ class PrecompiledStep:
                 logger.warning("%s could not be loaded (%s): compiling again", self.path.name, e)
         # NOTE: marked on a copy: a tensor marked dynamic fails the guards at run time (batches come unmarked)
         marked = self.mark(DecodeBatch(*dataclasses.astuple(example)))  # (astuple copies the tensors)
+        torch.compiler.assume_constant_result(moe_experts.built)  # (whether the MoE kernel is built: not traced)
         fn = torch.compile(self.step, fullgraph=True, options=dict(self.options)).aot_compile(
             ((model, pool, marked), {}))
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -118,4 +119,4 @@ def _signature(batch: DecodeBatch) -> tuple:
 
 
 def store_path(kind: str, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> Path:
-    return cache_dir("minimax_graphs") / f"decode-{kind}-{graph_key(kind, model, pool)}.bin"
+    return build.cache_dir("minimax_graphs") / f"decode-{kind}-{graph_key(kind, model, pool)}.bin"
