@@ -70,7 +70,8 @@ def engine(model: Path | str, graphs: bool, **kw) -> Engine:
 
 
 def decode_steps(e: Engine, rows: int, new: int, temperature: float, prompt_len: int = 128) -> dict:
-    """Median seconds of a decode step with `rows` requests all decoding (prefills excluded)."""
+    """Median seconds of a decode step with `rows` requests all decoding (prefills excluded): each `step()`'s host
+    time, with no sync of ours (a step waits for its own tokens, or overlapped for the last step's: the GPU's pace)."""
     params = SamplingParams.from_dict({"max_new_tokens": new, "temperature": temperature, "ignore_eos": True})
     e.add_requests([NewRequest(prompt(i, prompt_len, 4000), params) for i in range(rows)])
     times, made = [], 0
@@ -78,7 +79,6 @@ def decode_steps(e: Engine, rows: int, new: int, temperature: float, prompt_len:
         decoding = e.stats().num_running == rows and e.stats().num_waiting == 0
         t = time.perf_counter()
         outs = e.step()
-        torch.cuda.synchronize()
         if decoding:
             times.append(time.perf_counter() - t)
         made += sum(len(o.new_ids) for o in outs)
@@ -114,6 +114,12 @@ def offline() -> dict:
         out[name] = decode_steps(e, rows, 128, temp)
     out["graphs_after"] = e._runner.graphs.info()
     out["temp_over_greedy_64"] = round(out["rows64_t08"]["step_ms"] / out["rows64_greedy"]["step_ms"], 3)
+    del e
+    off = engine(TINY, graphs=True, cuda_graph_bs=[64], disable_overlap_schedule=True)  # (each step read back)
+    decode_steps(off, 64, 32, 0.0)
+    for name, temp in (("rows64_greedy", 0.0), ("rows64_t08", 0.8)):
+        out[f"{name}_overlap_off_ms"] = decode_steps(off, 64, 128, temp)["step_ms"]
+        out[f"{name}_overlap_gain"] = _ratio(out[f"{name}_overlap_off_ms"], out[name]["step_ms"])
     return out
 
 
