@@ -3,7 +3,8 @@
 1. tests/test_cuda.py.
 2. Startup: `python -m server --device cuda` on configs/tiny until /health is 200, twice (cold, then warm).
 3. The server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
-4. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8, and of 1 row.
+4. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8 (again with
+   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows.
 5. Ours captured and eager against transformers `generate`, batch 1 and 64 (the transformers copy of the weights).
 6. A mid-size MiniMax-M3-shaped model (dummy weights, ~1.5B parameters, 64 experts top-4): its capture time and
    its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run.
