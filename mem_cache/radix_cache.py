@@ -78,10 +78,9 @@ class RadixCache:
 
     def cache_finished_req(self, token_ids: Sequence[int], slots: torch.Tensor, locked_node: TreeNode,
                            own_from: int) -> None:
-        """Hand a finished (or aborted) request's KV to the tree and release its lock. `slots[i]` holds the KV of
-        `token_ids[i]`: the tree's own (from `match_prefix`) before `own_from`, the caller's from there on, and the
-        caller's for tokens the tree already holds are freed (disabled: every slot). NOTE: found by position, not by
-        comparing slots, so nothing is read on the host (on a GPU, a sync at every request's end)."""
+        """Hand a finished (or aborted) request's KV to the tree, release its lock. `slots[i]` holds token i's KV: the
+        tree's own before `own_from` (`match_prefix`'s), then the caller's, whose copies of tokens the tree holds are
+        freed (disabled: all). NOTE: found by position, not by comparing slots: nothing read on the host (a sync)."""
         slots = slots.reshape(-1).to(device=self.allocator.device, dtype=torch.int64)
         if slots.numel() != len(token_ids):
             raise ValueError(f"RadixCache: {slots.numel()} slots given for {len(token_ids)} tokens")
@@ -89,7 +88,9 @@ class RadixCache:
             self.allocator.free(slots)
             return
         self.dec_lock_ref(locked_node)  # NOTE: first, so an unbalanced unlock leaves the tree untouched
-        self.allocator.free(slots[own_from:self._insert(list(token_ids), slots)], checked=False)
+        present = self._insert(list(token_ids), slots)
+        assert present >= own_from, f"RadixCache: {own_from} slots given as the tree's, which holds {present} of them"
+        self.allocator.free(slots[own_from:present], checked=False)
 
     def inc_lock_ref(self, node: TreeNode) -> None:
         """Lock the path root -> `node`: none of its nodes is evicted until `dec_lock_ref`."""

@@ -44,16 +44,15 @@ class LLM:
                 for p, sp in zip(prompts, sampling_list)]
         order = [rid for rids in self.engine.add_requests(reqs) for rid in rids]
         results = {rid: JoinedOutput(rid) for rid in order}
-        with tqdm(total=len(order), desc="generate", disable=not progress) as bar:
-            while not all(r.finished for r in results.values()):
-                try:
-                    outs = self.engine.step()
-                except BaseException as e:  # (a failed step, or Ctrl-C: all requests end, the next call starts clean)
-                    self.engine.fail_all(f"generate stopped: {e!r}")
-                    raise
-                for out in outs:
-                    results[out.rid].add(out)
-                    bar.update(int(out.finished))
+        try:
+            with tqdm(total=len(order), desc="generate", disable=not progress) as bar:
+                while not all(r.finished for r in results.values()):
+                    for out in self.engine.step():
+                        results[out.rid].add(out)
+                        bar.update(int(out.finished))
+        except BaseException as e:  # (a failed step, or Ctrl-C: every request ends, the next call starts clean)
+            self.engine.fail_all(f"generate stopped: {e!r}")
+            raise
         return [self._to_dict(results[rid]) for rid in order]
 
     @staticmethod
