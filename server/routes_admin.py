@@ -66,9 +66,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     state = _state_warn_if_deprecated(request)
     integrity_ok = await state.async_engine.check_integrity()  # on the engine thread, between two steps
     eng, args, st, ae = state.engine, state.args, state.engine.stats(), state.async_engine
-    info: dict[str, Any] = args.flat()
-    if info.get("api_key"):
-        info["api_key"] = "<redacted>"
+    info: dict[str, Any] = args.flat() | ({"api_key": "<redacted>"} if args.api_key else {})
     info.update({
         "max_new_tokens_cap": info["max_new_tokens_cap"] or eng.context_len,  # the limit in force
         "served_model_name": args.model_name, "context_len": eng.context_len,

@@ -11,7 +11,15 @@ import torch
 from engine.kernels import build, moe_experts
 from engine.kernels.moe_experts import on_kernel
 from engine.model.config_json import load_config
-from engine.model.layers import MoE, apply_rope, gathered_experts, rms_norm, rope_cos_sin, rope_inv_freq
+from engine.model.layers import (
+    MoE,
+    apply_rope,
+    gathered_experts,
+    norm_rope,
+    rms_norm,
+    rope_inv_freq,
+    rope_rotation,
+)
 from tests.engine_utils import TINY
 from tests.kernel_utils import needs_compiler, without_compiler
 
@@ -22,9 +30,8 @@ def test_rope_equals_the_spec_written_per_channel_pair(dim, rot):
     pos = torch.randint(0, 5000, (7,), generator=g)
     inv = rope_inv_freq(rot, 10000.0)
     assert torch.allclose(inv.double(), 10000.0 ** (-torch.arange(0, rot, 2).double() / rot), rtol=1e-6)
-    cos, sin = rope_cos_sin(pos, inv, torch.float64)
     x = torch.randn(7, 5, dim, generator=g, dtype=torch.float64)
-    got = apply_rope(x, cos, sin)
+    got = apply_rope(x, rope_rotation(pos, inv, torch.float64))
     for t in range(7):
         for i in range(rot // 2):  # model.md §2: u' = u cos a - w sin a, w' = w cos a + u sin a
             a = float(pos[t].float() * inv[i])  # the angle in fp32, as the model computes it
@@ -38,6 +45,18 @@ def test_gemma_rms_norm():
     x, w = torch.randn(3, 16, dtype=torch.float64), torch.randn(16, dtype=torch.float64)
     want = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * (1 + w)
     assert torch.allclose(rms_norm(x, w, 1e-6), want, atol=1e-12)
+    heads, w2 = torch.randn(3, 4, 16, dtype=torch.float64), torch.randn(4, 16, dtype=torch.float64)  # one per head
+    assert torch.equal(rms_norm(heads, w2, 1e-6), torch.stack([rms_norm(heads[:, h], w2[h], 1e-6) for h in range(4)], 1))
+
+
+def test_norm_rope_of_parts_at_once_equals_each_part_alone():
+    g = torch.Generator().manual_seed(0)
+    inv, pos = rope_inv_freq(8, 10000.0), torch.randint(0, 5000, (5,), generator=g)
+    rot = rope_rotation(pos, inv, torch.float32)
+    y, wq, wk = (torch.randn(*s, generator=g) for s in ((5, 6 * 16), (16,), (16,)))
+    q, k = norm_rope(y, [(wq, 4), (wk, 2)], 1e-6, rot)
+    assert torch.equal(q, apply_rope(rms_norm(y[:, :64].view(5, 4, 16), wq, 1e-6), rot))
+    assert torch.equal(k, apply_rope(rms_norm(y[:, 64:].view(5, 2, 16), wk, 1e-6), rot))
 
 
 def _moe(top_k: int, seed: int) -> MoE:

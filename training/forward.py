@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.indexer import block_scores, select_blocks
-from engine.model.layers import MoE, apply_rope, rms_norm, rope_cos_sin
+from engine.model.layers import MoE, apply_rope, rms_norm, rope_rotation
 from engine.model.model import Attention, MiniMaxM3Model
 
 NEG_INF = float("-inf")
@@ -47,11 +47,11 @@ def _forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool, index
     b, t = ids.shape
     aux = Aux()
     x = model.embed_tokens(ids).view(b * t, -1)
-    cos, sin = rope_cos_sin(torch.arange(t, device=ids.device).repeat(b), model.inv_freq, x.dtype)
+    rot = rope_rotation(torch.arange(t, device=ids.device).repeat(b), model.inv_freq, x.dtype)
     causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
     for layer in model.layers:
         y = layer.input_layernorm(x)
-        x = x + _attention(layer.self_attn, y, (cos, sin), b, t, causal, aux, indexer_loss, indexer_only)
+        x = x + _attention(layer.self_attn, y, rot, b, t, causal, aux, indexer_loss, indexer_only)
         y = layer.post_attention_layernorm(x)
         if isinstance(layer.mlp, MoE):
             with torch.autocast(x.device.type, enabled=False):  # (fp32 routing, as the engine's: model.md §7.12)
@@ -64,11 +64,11 @@ def _forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool, index
     return model.compute_logits(model.norm(x)).view(b, t, -1), aux
 
 
-def _heads(a: Attention, parts: list[torch.Tensor], cos_sin, b: int, t: int):
+def _heads(a: Attention, parts: list[torch.Tensor], rot, b: int, t: int):
     c = a.cfg
 
     def head(y: torch.Tensor, n: int, norm: torch.Tensor) -> torch.Tensor:  # [B*T, n, d] -> [B, n, T, d]
-        h = apply_rope(rms_norm(y.reshape(b * t, n, -1), norm, c.rms_norm_eps), *cos_sin)
+        h = apply_rope(rms_norm(y.reshape(b * t, n, -1), norm, c.rms_norm_eps), rot)
         return h.view(b, t, n, -1).transpose(1, 2)
 
     q, k = head(parts[0], c.num_heads, a.q_norm), head(parts[1], c.num_kv_heads, a.k_norm)
@@ -79,11 +79,11 @@ def _heads(a: Attention, parts: list[torch.Tensor], cos_sin, b: int, t: int):
     return q, k, v, iq, ik, head
 
 
-def _attention(a: Attention, x: torch.Tensor, cos_sin, b: int, t: int, causal: torch.Tensor, aux: Aux,
+def _attention(a: Attention, x: torch.Tensor, rot, b: int, t: int, causal: torch.Tensor, aux: Aux,
                indexer_loss: bool, indexer_only: bool) -> torch.Tensor:
     c = a.cfg
     parts = list(F.linear(x, a.qkv_proj).split(a.splits, dim=-1))
-    q, k, v, iq, ik, head = _heads(a, parts, cos_sin, b, t)
+    q, k, v, iq, ik, head = _heads(a, parts, rot, b, t)
     scale, g = c.head_dim ** -0.5, c.num_heads // c.num_kv_heads
     if a.kind == "dense" or t <= c.topk_blocks * c.block_size:  # every visible block selected: dense
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
@@ -102,7 +102,7 @@ def _attention(a: Attention, x: torch.Tensor, cos_sin, b: int, t: int, causal: t
             attn_mask=keep.view(fold, 1, t, t), scale=scale, enable_gqa=True).view(b, c.num_heads, t, -1)
     if a.kind != "dense" and indexer_loss and t > c.block_size and (not indexer_only or a.kind == "sparse_k_only"):
         with torch.set_grad_enabled(torch.is_grad_enabled() or indexer_only):
-            kl, mass = _indexer_kl(a, x, cos_sin, q, k, b, t, causal, head, free_only=indexer_only)
+            kl, mass = _indexer_kl(a, x, rot, q, k, b, t, causal, head, free_only=indexer_only)
         aux.indexer_kl.append(kl)
         if t > c.topk_blocks * c.block_size:
             aux.recall.append(_recall(mass, blocks, c.topk_blocks, c.block_size))
@@ -137,7 +137,7 @@ def block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int, scale: float) 
     return mass / mass.sum(-1, keepdim=True)
 
 
-def _indexer_kl(a: Attention, x: torch.Tensor, cos_sin, q: torch.Tensor, k: torch.Tensor, b: int, t: int,
+def _indexer_kl(a: Attention, x: torch.Tensor, rot, q: torch.Tensor, k: torch.Tensor, b: int, t: int,
                 causal: torch.Tensor, head, free_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """KL(main attention mass per block || softmax of the indexer's block scores) over every visible block, or
     (free_only) over the blocks neither init nor local, mean over the queries that have such blocks; and the

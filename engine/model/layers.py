@@ -15,16 +15,24 @@ from engine.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back at the end.
-    NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven; a decode step norms 45 times on configs/tiny)."""
-    return F.rms_norm(x.float(), x.shape[-1:], 1.0 + weight.float(), eps).to(x.dtype)
+    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back at the end; w [D] or
+    one per head ([heads, D], x [T, heads, D]). NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven)."""
+    return (F.rms_norm(x.float(), x.shape[-1:], eps=eps) * (1.0 + weight.float())).to(x.dtype)
+
+
+def norm_rope(y: torch.Tensor, parts: list[tuple[torch.Tensor, int]], eps: float, rot: torch.Tensor) -> list[torch.Tensor]:
+    """Per-head norm, then RoPE (model.md §2, §3.1), of consecutive parts [(w_i [d], heads_i)] of y [T, heads * d] at
+    once -> each part [T, heads_i, d]. NOTE: q with k (index q with k): a third of the kernels of one at a time."""
+    d = parts[0][0].shape[0]
+    w = torch.cat([norm.expand(heads, d) for norm, heads in parts])  # [heads, d]: each head's weight
+    out = apply_rope(rms_norm(y.view(y.shape[0], -1, d), w, eps), rot)
+    return list(out.split([heads for _, heads in parts], dim=1))
 
 
 class GemmaRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.zeros(dim))  # stored offset from 1
+        self.eps, self.weight = eps, nn.Parameter(torch.zeros(dim))  # (the weight stored offset from 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
@@ -35,19 +43,20 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
     return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables [T, r/2] at absolute positions: computed once per step, shared by every layer."""
+def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The rotation of each channel pair at absolute positions, [[cos, -sin], [sin, cos]] as [T, 2, 2, r/2]:
+    computed once per step, shared by every layer."""
     angles = positions.float()[:, None] * inv_freq[None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = angles.cos(), angles.sin()
+    return torch.stack((cos, -sin, sin, cos), dim=1).unflatten(1, (2, 2)).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """Partial NeoX RoPE on x [T, heads, dim]: the first r channels as halves u, w become
-    (u cos - w sin, w cos + u sin); channels r.. pass through."""
-    half = cos.shape[-1]
-    c, s = cos[:, None, :], sin[:, None, :]
-    u, w, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
-    return torch.cat((u * c - w * s, w * c + u * s, rest), dim=-1)
+    (u cos - w sin, w cos + u sin), each pair (u_i, w_i) rotated by rot [T, 2, 2, r/2]; channels r.. pass through."""
+    r = 2 * rot.shape[-1]
+    pairs = x[..., :r].unflatten(-1, (1, 2, -1))  # [T, heads, 1, 2, r/2]: (u; w)
+    return torch.cat(((rot[:, None] * pairs).sum(dim=-2).flatten(-2), x[..., r:]), dim=-1)
 
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch import nn
 from engine.model.attention import attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
-from engine.model.layers import GatedMLP, GemmaRMSNorm, MoE, apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from engine.model.layers import GatedMLP, GemmaRMSNorm, MoE, norm_rope, rope_inv_freq, rope_rotation
 from mem_cache import MiniMaxSparseKVPool
 
 
@@ -29,26 +29,22 @@ class Attention(nn.Module):
         o_in = cfg.num_heads * d + (cfg.index_num_heads * di if value else 0)
         self.qkv_proj = nn.Parameter(torch.empty(sum(self.splits), cfg.hidden_size))
         self.o_proj = nn.Parameter(torch.empty(cfg.hidden_size, o_in))
-        self.q_norm = nn.Parameter(torch.zeros(d))
-        self.k_norm = nn.Parameter(torch.zeros(d))
+        self.q_norm, self.k_norm = nn.Parameter(torch.zeros(d)), nn.Parameter(torch.zeros(d))
         if sparse:
-            self.index_q_norm = nn.Parameter(torch.zeros(di))
-            self.index_k_norm = nn.Parameter(torch.zeros(di))
+            self.index_q_norm, self.index_k_norm = nn.Parameter(torch.zeros(di)), nn.Parameter(torch.zeros(di))
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch | DecodeBatch,
+    def forward(self, x: torch.Tensor, rot: torch.Tensor, batch: ForwardBatch | DecodeBatch,
                 pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        c, t = self.cfg, x.shape[0]
-        parts = list(F.linear(x, self.qkv_proj).split(self.splits, dim=-1))
-
-        def head(y: torch.Tensor, heads: int, norm: torch.Tensor) -> torch.Tensor:  # per-head norm, then RoPE
-            return apply_rope(rms_norm(y.view(t, heads, -1), norm, c.rms_norm_eps), *cos_sin)
-
-        q, k = head(parts[0], c.num_heads, self.q_norm), head(parts[1], c.num_kv_heads, self.k_norm)
+        c, t, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
+        y = F.linear(x, self.qkv_proj)
+        parts, qk = list(y.split(self.splits, dim=-1)), sum(self.splits[:2])
+        q, k = norm_rope(y[:, :qk], [(self.q_norm, c.num_heads), (self.k_norm, c.num_kv_heads)], eps, rot)
         v = parts[-2 if self.kind == "sparse_index_kv" else -1].view(t, c.num_kv_heads, c.head_dim)
         pool.set_kv_buffer(self.layer_id, batch.out_cache_loc, k, v)
         iq = None
         if self.kind != "dense":
-            iq, ik = head(parts[2], c.index_num_heads, self.index_q_norm), head(parts[3], 1, self.index_k_norm)
+            iq, ik = norm_rope(y[:, qk:qk + sum(self.splits[2:4])],
+                               [(self.index_q_norm, c.index_num_heads), (self.index_k_norm, 1)], eps, rot)
             if self.kind == "sparse_index_kv":
                 pool.set_index_kv_buffer(self.layer_id, batch.out_cache_loc, ik, parts[-1].view(t, 1, -1))
             else:
@@ -66,9 +62,9 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (MoE(cfg) if cfg.moe_layers[layer_id] else
                                GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit))
 
-    def forward(self, x: torch.Tensor, cos_sin: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch | DecodeBatch,
+    def forward(self, x: torch.Tensor, rot: torch.Tensor, batch: ForwardBatch | DecodeBatch,
                 pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), cos_sin, batch, pool)
+        h = x + self.self_attn(self.input_layernorm(x), rot, batch, pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -87,9 +83,9 @@ class MiniMaxM3Model(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        cos_sin = rope_cos_sin(batch.positions, self.inv_freq, x.dtype)
+        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)
         for layer in self.layers:
-            x = layer(x, cos_sin, batch, pool)
+            x = layer(x, rot, batch, pool)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -34,10 +34,9 @@ def _token_counts(rows: Sequence[Sequence[int]], vocab_size: int, device: torch.
 
 
 class Sampler:
-    """Batched sampler over raw model logits; see the module docstring for semantics. Its state is the last call's
-    per-row tensors, carried on the device when the caller says the next call is the same requests one token further
-    (`carried`, a steady decode step): the settings, the draw's keys, the penalties' token counts (the last sampled
-    tokens added in place), so such a call builds no tensor from Python lists (each a host-to-device copy, a step)."""
+    """Batched sampler over raw model logits (semantics: the module docstring). Its state, the last call's per-row
+    tensors (settings, the draw's keys, the penalties' token counts), is carried on the device to a `carried` call (the
+    same requests one token further): such a call builds no tensor from Python lists (each a host-to-device copy)."""
 
     def __init__(self) -> None:
         self._state: dict[str, torch.Tensor] = {}  # the last call's per-row tensors and the tokens it sampled
@@ -90,9 +89,8 @@ class Sampler:
 
     def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        cols: torch.Tensor) -> torch.Tensor:
-        """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0,
-        not renormalized; every row is treated as sampling (callers handle greedy rows). The same operations for
-        any mix of rows: each row's settings are a row of `cols` (`settings`)."""
+        """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0, not
+        renormalized, every row as sampling (callers handle greedy rows); row i's settings are cols[i] (`settings`)."""
         v = logits.shape[1]
         probs = torch.softmax(logits / cols[:, :1], dim=-1)
         if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
@@ -108,9 +106,8 @@ class Sampler:
                output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]], seeds: Sequence[int],
                suppress: Sequence[set[int] | frozenset[int] | None] | None = None,
                carried: bool = False) -> torch.Tensor:
-        """One token per row of raw logits [B, V] (int64 [B], on their device). Row i's draw is keyed by
-        (seeds[i], the position it fills: len(prompt_ids[i]) + len(output_ids[i])). `carried`: the requests of the
-        last call, in its order, each fed the token it sampled."""
+        """One token per row of raw logits [B, V] (int64 [B], on their device); row i's draw keyed by (seeds[i], the
+        position it fills). `carried`: the requests of the last call, in its order, each fed the token it sampled."""
         if len(seeds) != logits.shape[0]:
             raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(seeds)} seeds")
         st = self._state
