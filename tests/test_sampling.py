@@ -10,7 +10,7 @@ from dataclasses import fields
 import pytest
 import torch
 
-from engine.runtime.sampler import Sampler, _token_counts, exponential_noise, unit
+from engine.runtime.sampler import Sampler, _token_counts, exponential_noise, seed_hash, token_hash, unit
 from engine.runtime.sampling_params import SamplingParams
 
 V = 1000
@@ -358,15 +358,16 @@ def test_noise_is_keyed_by_seed_position_and_token_and_stays_finite() -> None:
     v = 4096
     seeds = torch.tensor([0, 1, 0, -2**63, 2**63 - 1, 7], dtype=torch.int64)
     pos = torch.tensor([0, 0, 1, 2**40, 0, 3], dtype=torch.int64)
-    e = exponential_noise(seeds, pos, v)
-    assert torch.equal(e, exponential_noise(seeds, pos, v))  # a pure function
+    noise = lambda s, p: exponential_noise(seed_hash(s), p, token_hash(v, s.device))  # noqa: E731
+    e = noise(seeds, pos)
+    assert torch.equal(e, noise(seeds, pos))  # a pure function
     assert bool(torch.isfinite(e).all()) and float(e.min()) > 0 and float(e.max()) < 16.7
     ends = unit(torch.tensor([0, 2**32 - 1], dtype=torch.int64))  # (the hash's extremes)
     assert 0 < float(ends[0]) < float(ends[1]) < 1 and float((-ends.log()).min()) > 0
     assert len({tuple(r) for r in e[:, :16].tolist()}) == len(seeds)  # every (seed, position) its own noise
     assert abs(float(e.mean()) - 1.0) < 0.02 and abs(float(e.var()) - 1.0) < 0.05  # Exp(1): mean 1, variance 1
     # the same row alone or inside a batch
-    assert torch.equal(exponential_noise(seeds[3:4], pos[3:4], v)[0], e[3])
+    assert torch.equal(noise(seeds[3:4], pos[3:4])[0], e[3])
 
 
 def test_carried_penalty_counts_equal_counts_rebuilt_each_step() -> None:

@@ -49,9 +49,8 @@ class Sampler:
         as float32, when no row needs anything). `carried`: the same requests as the last call, one token further."""
         b, v = logits.shape
         if not len(params) == len(output_ids) == len(prompt_ids) == b or (suppress is not None and len(suppress) != b):
-            raise ValueError(f"sampler got {b} logit rows but params/output_ids/prompt_ids/suppress of "
-                             f"lengths {len(params)}/{len(output_ids)}/{len(prompt_ids)}/"
-                             f"{'-' if suppress is None else len(suppress)}")
+            lens = "/".join("-" if z is None else str(len(z)) for z in (params, output_ids, prompt_ids, suppress))
+            raise ValueError(f"sampler got {b} logit rows but params/output_ids/prompt_ids/suppress of lengths {lens}")
         sup = [(i, t) for i, s in enumerate(suppress or ()) for t in (s or ()) if 0 <= t < v]
         pen = any(p.repetition_penalty != 1.0 or p.frequency_penalty != 0.0 or p.presence_penalty != 0.0
                   for p in params)
@@ -90,7 +89,7 @@ class Sampler:
     def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        cols: torch.Tensor) -> torch.Tensor:
         """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0, not
-        renormalized, every row as sampling (callers handle greedy rows); row i's settings are cols[i] (`settings`)."""
+        renormalized, every row as sampling (callers handle greedy rows); row i's settings: cols[i] (see `sample`)."""
         v = logits.shape[1]
         probs = torch.softmax(logits / cols[:, :1], dim=-1)
         if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
@@ -115,27 +114,20 @@ class Sampler:
         if all(p.is_greedy for p in params):
             tokens = _argmax(x)
         else:
-            if carried and "keys" in st:
-                st["keys"] = st["keys"].clone()
-                st["keys"][:, 1] += 1
-            else:
-                st["settings"] = settings(params, x.shape[1], x.device)
-                st["keys"] = torch.tensor([[_int64(s), len(a) + len(b), p.is_greedy]
-                                           for s, a, b, p in zip(seeds, prompt_ids, output_ids, params)],
-                                          dtype=torch.int64, device=x.device)
-            keys = st["keys"]
-            race = self.filtered_probs(x, params, st["settings"]) / exponential_noise(keys[:, 0], keys[:, 1], x.shape[1])
-            tokens = torch.where(keys[:, 2] > 0, _argmax(x), _argmax(race))
+            v, dev = x.shape[1], x.device
+            if not (carried and "pos" in st):  # NOTE: seeds and token ids hashed here, not at every step (half the ops)
+                rows = torch.tensor([[_int64(s), len(a) + len(b) - 1, p.is_greedy] for s, a, b, p in
+                                     zip(seeds, prompt_ids, output_ids, params)], dtype=torch.int64, device=dev)
+                st.update(seed=seed_hash(rows[:, 0]), pos=rows[:, 1], greedy=rows[:, 2] > 0, vocab=token_hash(v, dev),
+                          settings=torch.tensor([[p.temperature if not p.is_greedy else 1.0, p.top_k if 0 < p.top_k < v
+                                                  else v, p.top_p if p.top_p < 1.0 else 2.0, p.min_p] for p in params],
+                                                dtype=torch.float32, device=dev))  # (top-k off: V, top-p off: 2)
+            st["pos"] = st["pos"] + 1  # (the position each row's token fills)
+            noise = exponential_noise(st["seed"], st["pos"], st["vocab"])
+            race = _argmax(self.filtered_probs(x, params, st["settings"]) / noise)
+            tokens = torch.where(st["greedy"], _argmax(x), race) if any(p.is_greedy for p in params) else race
         st["tokens"] = tokens
         return tokens
-
-
-def settings(params: Sequence[SamplingParams], vocab: int, device: torch.device) -> torch.Tensor:
-    """[B, 4] float32: each row's temperature (1 for greedy rows), top-k (the vocabulary when off), top-p (2 when
-    off) and min-p."""
-    return torch.tensor([[p.temperature if not p.is_greedy else 1.0, p.top_k if 0 < p.top_k < vocab else vocab,
-                          p.top_p if p.top_p < 1.0 else 2.0, p.min_p] for p in params],
-                        dtype=torch.float32, device=device)
 
 
 _M32 = 0xFFFFFFFF
@@ -149,12 +141,20 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id): -log(u), u from 23 hashed
-    bits (`unit`), so neither end of the hash's range gives 0 or infinite noise (at most 16.6)."""
-    row = _mix(_mix(_mix(seeds & _M32) ^ ((seeds >> 32) & _M32)) ^ (positions & _M32))  # [B]
-    token = _mix(torch.arange(vocab, dtype=torch.int64, device=seeds.device) + 0x9E3779B9)  # [V]
-    return -torch.log(unit(_mix(row[:, None] ^ token[None, :])))
+def seed_hash(seeds: torch.Tensor) -> torch.Tensor:  # [B] int64 -> [B] 32-bit hashes
+    return _mix(_mix(seeds & _M32) ^ ((seeds >> 32) & _M32))
+
+
+def token_hash(vocab: int, device: torch.device) -> torch.Tensor:
+    return _mix(torch.arange(vocab, dtype=torch.int64, device=device) + 0x9E3779B9)  # [V]
+
+
+def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id) given as `seed_hash`es [B],
+    positions [B] and `token_hash`es [V]: -log(u), u from 23 hashed bits (`unit`), so neither end of the hash's
+    range gives 0 or infinite noise (at most 16.6)."""
+    row = _mix(seeds ^ (positions & _M32))  # [B]
+    return -torch.log(unit(_mix(row[:, None] ^ tokens[None, :])))
 
 
 def unit(bits: torch.Tensor) -> torch.Tensor:
