@@ -19,7 +19,6 @@ import torch.nn.functional as F
 from engine.kernels import build
 from engine.kernels.operator import operator, require
 
-NEG_INF = float("-inf")
 SOURCE = Path(__file__).with_suffix(".c")
 
 
@@ -69,12 +68,10 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
 
 def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """The keys and values gathered (copies), then SDPA (any device and dtype), `keep` given as an additive bias
-    (NOTE: CPU SDPA converts a bool mask on every call)."""
+    """The keys and values gathered (copies), then SDPA (any device and dtype) over the kept keys."""
     d = q.shape[-1]
     k, v = (buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d) for buf in (k_buf, v_buf))
-    bias = torch.zeros(keep.shape, dtype=q.dtype, device=keep.device).masked_fill(~keep, NEG_INF)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)
 
 
 def fits(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:

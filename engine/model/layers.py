@@ -156,5 +156,5 @@ class MoE(nn.Module):
         ends = torch.searchsorted(experts, torch.arange(1, self.w13.shape[0] + 1, device=x.device)).to(torch.int32)
         h = swiglu_oai(torch._grouped_mm(x[order // k], self.w13.transpose(1, 2), offs=ends), self.alpha, self.limit)
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends) * w.reshape(-1)[order].to(x.dtype)[:, None]
-        out = torch.zeros(t * k, x.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, order, y)
+        out = torch.empty(t * k, x.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, order, y)  # (every row)
         return out.view(t, k, -1).sum(dim=1)
