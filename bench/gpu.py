@@ -4,10 +4,11 @@
 2. Startup: `python -m server --device cuda` on configs/tiny until /health is 200, twice (cold, then warm).
 3. The server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
 4. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8 (again with
-   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows.
+   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows; the kernels of a step (profiled).
 5. Ours captured and eager against transformers `generate`, batch 1 and 64 (the transformers copy of the weights).
 6. A mid-size MiniMax-M3-shaped model (dummy weights, ~1.5B parameters, 64 experts top-4): its capture time and
-   its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run.
+   its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run, and
+   the kernels of its batch-1 step (profiled).
 
 Writes docs/benchmarks/gpu.json and prints it with the ratios against the targets. A section that fails is
 recorded with its error and the rest still run. Sections named on the command line run alone; three run only when
@@ -104,11 +105,41 @@ def graph_ms(graph: torch.cuda.CUDAGraph) -> float:
     return round((time.perf_counter() - t) / 50 * 1e3, 4)
 
 
+def kernel_profile(e: Engine, rows: int, steps: int = 5) -> dict:
+    """Where a captured step's GPU time goes: the eager step its (rows, shortest keys) graph replays, profiled: its
+    kernels and their summed time a step, the heaviest by name, and the replay's ms (kernel time well under the
+    replay: the step is bound by kernel launches and gaps; near it, by the kernels themselves)."""
+    try:
+        return _kernel_profile(e, rows, steps)
+    except Exception as err:  # (a profiler failure must not lose the section's other figures)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _kernel_profile(e: Engine, rows: int, steps: int) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    g = e._runner.graphs
+    batch = g._cuda.view(rows, g.key_buckets[0])
+    with torch.no_grad():
+        g._cuda.step(batch)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                g._cuda.step(batch)
+            torch.cuda.synchronize()
+    kernels = [k for k in prof.key_averages() if k.device_time_total > 0 and k.device_type.name == "CUDA"]
+    kernels.sort(key=lambda k: -k.device_time_total)
+    return {"kernels": round(sum(k.count for k in kernels) / steps), "replay_ms": replay_ms(e, rows),
+            "kernel_ms": round(sum(k.device_time_total for k in kernels) / steps / 1e3, 4),
+            "top": [[k.key[:70], round(k.count / steps), round(k.device_time_total / steps, 1)] for k in kernels[:15]]}
+
+
 def offline() -> dict:
     t = time.perf_counter()
     e = engine(TINY, graphs=True)
     out = {"engine_ready_s": round(time.perf_counter() - t, 1), "graphs": e._runner.graphs.info(),
            "replay_only_ms": {rows: replay_ms(e, rows) for rows in (1, 64, 256)}}
+    out["profile"] = {rows: kernel_profile(e, rows) for rows in (1, 64)}
     decode_steps(e, 64, 32, 0.0)  # warm
     for name, rows, temp in (("rows64_greedy", 64, 0.0), ("rows64_t08", 64, 0.8), ("rows1_greedy", 1, 0.0),
                              ("rows256_greedy", 256, 0.0)):
@@ -266,7 +297,7 @@ def midsize() -> dict:
     return {"params": sum(p.numel() for p in m.parameters()), "ready_s": round(ready, 1),
             "graphs": e._runner.graphs.info(), "bytes_per_token": per_token, "hbm_read_gb_s": round(bw / 1e9, 1),
             "roofline_ms": round(roof_ms, 4), "batch1_ms": step["step_ms"],
-            "fraction_of_roofline": round(roof_ms / step["step_ms"], 3)}
+            "fraction_of_roofline": round(roof_ms / step["step_ms"], 3), "profile_batch1": kernel_profile(e, 1)}
 
 
 # ---- experiments for the next design step (opt-in) ---------------------------------------------------------------
