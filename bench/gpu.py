@@ -319,12 +319,19 @@ t.append(time.perf_counter())
 e.warm_up()
 t.append(time.perf_counter())
 names = ("import_torch", "import_server", "cuda_init", "engine_build", "capture")
-print(json.dumps({n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])}))
+out = {n: round(b - a, 2) for n, a, b in zip(names, t, t[1:])}
+from torch.profiler import ProfilerActivity, profile
+with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:  # (the capture again: its host time)
+    e._runner.graphs._cuda.capture()
+top = sorted(p.key_averages(), key=lambda k: -k.self_cpu_time_total)[:20]
+out["capture_again_host_top"] = [[k.key[:60], k.count, round(k.self_cpu_time_total / 1e3, 1)] for k in top]
+print(json.dumps(out))
 """
 
 
 def startup_phases() -> dict:
-    """Where a start's seconds go (configs/tiny, as `python -m server --device cuda` builds it), twice."""
+    """Where a start's seconds go (configs/tiny, as `python -m server --device cuda` builds it), twice; and the
+    host time of a second capture of every graph, by function (ms: aten ops, CUDA API calls, graph instantiation)."""
     runs = [subprocess.run([sys.executable, "-c", PHASES, str(TINY)], cwd=ROOT, capture_output=True, text=True,
                            timeout=300) for _ in range(2)]
     return {f"run{i}": json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-1500:]
