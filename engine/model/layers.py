@@ -16,8 +16,10 @@ from engine.model.config import ModelConfig
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back at the end; w [D] or
-    one per head ([heads, D], x [T, heads, D]). NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven)."""
-    return (F.rms_norm(x.float(), x.shape[-1:], eps=eps) * (1.0 + weight.float())).to(x.dtype)
+    one per head ([heads, D], x [T, heads, D]). NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven),
+    and n * (1 + w) is taken as n + n * w, one more (addcmul)."""
+    n = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
+    return torch.addcmul(n, n, weight.float()).to(x.dtype)
 
 
 def norm_rope(y: torch.Tensor, parts: list[tuple[torch.Tensor, int]], eps: float, rot: torch.Tensor) -> list[torch.Tensor]:

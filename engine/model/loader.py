@@ -21,7 +21,8 @@ from engine.model.weight_names import recipes
 logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("mtp.", "vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
-FP32_PARAMS = (".router", ".router_bias")  # kept in fp32 whatever the model dtype (model.md §7.12)
+FP32_PARAMS = (".router", ".router_bias", "norm.weight", "_norm")  # fp32 whatever the model dtype (model.md §7.12;
+# the norms: computed in fp32, so their weights cost no conversion a step)
 
 
 class CheckpointError(ValueError):
@@ -109,7 +110,7 @@ def init_dummy_weights(model: MiniMaxM3Model, seed: int = 0) -> None:
 
 
 def cast_model(model: MiniMaxM3Model, dtype: torch.dtype, device: torch.device | str) -> MiniMaxM3Model:
-    """Move to `device` and cast to `dtype`, except the router (fp32) and the RoPE table (fp32)."""
+    """Move to `device` and cast to `dtype`, except the router and the norms (FP32_PARAMS) and the RoPE table (fp32)."""
     model.to(device)
     for name, p in model.named_parameters():
         if not name.endswith(FP32_PARAMS):
