@@ -45,9 +45,9 @@ def block_rows(key_slots: torch.Tensor, blocks: torch.Tensor, q_pos: torch.Tenso
     """The buffer rows (slot * H + h) [R, H, K*B] of the keys of the selected blocks blocks [R, H, K] (-1:
     unused), and whether each is kept: in a selected block, at a position up to q_pos[r] (model.md §3.4)."""
     h = blocks.shape[1]
-    pos = (blocks.clamp(min=0)[..., None] * block_size + torch.arange(block_size, device=blocks.device)).flatten(-2)
-    keep = (blocks >= 0).repeat_interleave(block_size, dim=-1) & (pos <= q_pos[:, None, None])
-    slots = key_slots.gather(1, pos.clamp(max=key_slots.shape[1] - 1).flatten(1)).view(pos.shape)
+    pos = blocks[..., None] * block_size + torch.arange(block_size, device=blocks.device)  # [R, H, K, B]
+    keep = ((blocks >= 0)[..., None] & (pos <= q_pos[:, None, None, None])).flatten(-2)
+    slots = key_slots.gather(1, pos.flatten(1).clamp(0, key_slots.shape[1] - 1)).view(keep.shape)  # (dropped: any)
     return slots * h + torch.arange(h, device=blocks.device)[None, :, None], keep
 
 

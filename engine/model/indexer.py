@@ -60,4 +60,4 @@ def _tie_broken(key: torch.Tensor) -> torch.Tensor:
     bits = key.contiguous().view(torch.int32).to(torch.int64)
     monotone = torch.where(bits < 0, -(bits & 0x7FFFFFFF), bits)
     nb = key.shape[-1]
-    return monotone * nb + (nb - 1 - torch.arange(nb, device=key.device))
+    return monotone * nb + torch.arange(nb - 1, -1, -1, device=key.device)

@@ -65,7 +65,8 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
     """g = min(gate, lim), u = clamp(up, -lim, lim): g * sigmoid(alpha * g) * (u + 1), gate half first."""
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
-    return gate * torch.sigmoid(alpha * gate) * (up.clamp(min=-limit, max=limit) + 1.0)
+    act = gate * torch.sigmoid(alpha * gate)
+    return torch.addcmul(act, act, up.clamp(min=-limit, max=limit))  # (act * (u + 1) as act + act * u: one kernel)
 
 
 class GatedMLP(nn.Module):

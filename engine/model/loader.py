@@ -21,8 +21,7 @@ from engine.model.weight_names import recipes
 logger = logging.getLogger(__name__)
 
 SKIPPED_PREFIXES = ("mtp.", "vision_tower.", "multi_modal_projector.", "patch_merge_mlp.")
-FP32_PARAMS = (".router", ".router_bias", "norm.weight", "_norm")  # fp32 whatever the model dtype (model.md §7.12;
-# the norms: computed in fp32, so their weights cost no conversion a step)
+FP32_PARAMS = (".router", ".router_bias", "norm.weight", "_norm")  # fp32 in any dtype (model.md §7.12, and norms)
 
 
 class CheckpointError(ValueError):
