@@ -24,7 +24,7 @@ class PagedModel:
         args = EngineArgs(disable_cuda_graph=not graph_buckets, cuda_graph_bs=graph_buckets)
         self.runner = ModelRunner(model, self.pool, args, min(size, c.max_position_embeddings))
         if graph_buckets:
-            self.runner.warm_up()
+            self.runner.graphs.warm_up()
 
     def run(self, prompts: list[list[int]], chunk: int, prefix: int | None = None) -> list[torch.Tensor]:
         """Feed each prompt `chunk` tokens per step (all prompts batched per step), or one extend of
@@ -79,7 +79,7 @@ def assert_captured_equals_eager(paged: PagedModel, rows: int) -> None:
     last = [int(x[-1].argmax()) for x in paged.step(kvs, prompts)]
     for _ in range(6):
         batch = paged.decode_batch(kvs, last)
-        assert paged.runner.graphs.bucket(rows) in paged.runner.captured_batch_sizes()
+        assert paged.runner.graphs.bucket(rows) in paged.runner.graphs.ready()
         captured = paged.runner.graphs.run(batch)
         eager = paged.decode_step(batch)  # writes the same K/V again: same values
         assert captured.shape == eager.shape == (rows, cfg.vocab_size)

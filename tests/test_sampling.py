@@ -392,3 +392,25 @@ def test_carried_penalty_counts_equal_counts_rebuilt_each_step() -> None:
         for o, t in zip(outs, tok.tolist()):
             o.append(t)
     assert len({t for o in outs for t in o}) > 4
+
+
+def test_steady_steps_build_no_tensor_for_logit_bias_or_suppression(monkeypatch) -> None:
+    """Rows with a logit_bias and rows under min_new_tokens (their stop ids suppressed): a steady run builds their
+    device tensors once, and again only when the suppressed set changes (each build a host-to-device copy: a sync
+    on CUDA); the tokens are a fresh sampler's every step."""
+    params = [SamplingParams(temperature=0.7, logit_bias={"3": 5.0, "9": -2.0}), SamplingParams(temperature=0.0),
+              SamplingParams(temperature=1.0, logit_bias={"4": 3.0})]
+    prompts, outs, seeds, carried = [[1, 2], [3], [5, 6, 7]], [[], [], []], [1, 2, 3], Sampler()
+    built, real = [], torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    torch.manual_seed(0)
+    for step in range(8):
+        suppress = [{0} if step < 3 else None, {0, 1} if step < 5 else None, None]  # (min_new_tokens: 3 and 5)
+        logits = torch.randn(3, 20)
+        built.clear()
+        tok = carried.sample(logits, params, outs, prompts, seeds, suppress, carried=step > 0)
+        assert len(built) == {0: 4, 3: 1}.get(step, 0), (step, built)  # (0: bias, suppressed, keys, settings)
+        assert tok.tolist() == Sampler().sample(logits, params, outs, prompts, seeds, suppress).tolist()
+        assert (step >= 3 or tok[0] != 0) and (step >= 5 or tok[1] not in (0, 1))
+        for o, t in zip(outs, tok.tolist()):
+            o.append(t)

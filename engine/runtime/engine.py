@@ -99,7 +99,7 @@ class Engine:
     # ---- the engine thread -----------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
-        self._runner.warm_up()
+        self._runner.graphs.warm_up()
 
     def has_work(self) -> bool:
         with self._cond:
@@ -228,7 +228,7 @@ class Engine:
         s, kv = self._scheduler, self._kv
         return EngineStats(len(s.running), len(s.waiting), kv.size, kv.used_slots(), kv.free_slots(),
                            kv.evictable_slots(), kv.cached_slots(), self.pool.total_bytes(),
-                           self._runner.captured_batch_sizes(), dict(kv.hit_tokens),
+                           self._runner.graphs.ready(), dict(kv.hit_tokens),
                            kv.hicache.info() if kv.hicache else None)
 
     def decode_graphs(self) -> dict:

@@ -32,12 +32,6 @@ class ModelRunner:
         self._last: tuple | None = None  # the last decode step's (rows, positions)
         self._tokens: torch.Tensor | None = None  # the tokens sampled last
 
-    def captured_batch_sizes(self) -> tuple[int, ...]:
-        return self.graphs.ready()
-
-    def warm_up(self) -> None:
-        self.graphs.warm_up()
-
     @torch.no_grad()
     def forward(self, batch: ScheduledBatch, table: torch.Tensor, logit_rows: list[int]) -> torch.Tensor:
         """fp32 logits of the batch's flattened tokens at `logit_rows`; `table` maps (row, position) -> slot."""
