@@ -23,10 +23,8 @@ LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
 BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")
 
 KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({
-    DENSE: frozenset({"key", "value"}),
-    SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
-    SPARSE_K_ONLY: frozenset({"key", "value", "index_key"}),
-})
+    DENSE: frozenset({"key", "value"}), SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
+    SPARSE_K_ONLY: frozenset({"key", "value", "index_key"})})
 
 
 @dataclass(frozen=True)

@@ -153,7 +153,13 @@ class AsyncEngine:
                 outs = self.engine.step()
             except Exception as e:  # the batch is lost: fail its requests, keep serving the rest
                 logger.exception("engine step failed")
-                outs = self.engine.fail_all(f"internal error in the engine: {e}")
+                try:
+                    outs = self.engine.fail_all(f"internal error in the engine: {e}")
+                except Exception:  # (a sticky CUDA error: nothing runs) every request ends here, the thread stops
+                    logger.exception("the engine cannot recover: it stops (/health 503)")
+                    self._go.clear()  # (not alive from here: no call or request is queued behind this)
+                    self._loop.call_soon_threadsafe(self._end_all, f"the engine stopped after an error: {e}")
+                    return
             if outs and self._loop is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, outs)
 
@@ -169,6 +175,12 @@ class AsyncEngine:
                     del self._routes[out.rid]
                     if not self._routes:
                         self._idle.set()
+
+    def _end_all(self, message: str) -> None:
+        """The engine thread stopped: every queued call fails (EngineDeadError), every open request ends (500)."""
+        self.stop()
+        reason = {"type": "abort", "message": message, "status_code": 500}
+        self._dispatch([RequestOutput(r, [], "", None, 0, 0, 0, True, reason, error=message) for r in list(self._routes)])
 
     # ---- requests (event-loop thread) ---------------------------------------------------------------
     def submit(self, reqs: list[NewRequest]) -> tuple[list[str], Channel]:

@@ -33,12 +33,15 @@ class CompletionLogprobs(BaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionChoice(BaseModel):
+class _Choice(BaseModel):
     index: int
-    text: str
-    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     matched_stop: int | str | None = None
+
+
+class CompletionChoice(_Choice):
+    text: str
+    logprobs: CompletionLogprobs | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extension (null unless asked)
 
 
@@ -77,12 +80,9 @@ class AssistantMessage(BaseModel):
     tool_calls: list[dict[str, Any]] | None = None
 
 
-class ChatChoice(BaseModel):
-    index: int
+class ChatChoice(_Choice):
     message: AssistantMessage
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    matched_stop: int | str | None = None
 
 
 class ChatCompletionResponse(_Response):
@@ -93,12 +93,9 @@ class ChatCompletionResponse(_Response):
     metadata: dict[str, str] = Field(default_factory=lambda: {"weight_version": WEIGHT_VERSION})
 
 
-class ChatStreamChoice(BaseModel):
-    index: int
+class ChatStreamChoice(_Choice):
     delta: dict[str, str]  # {"role", "content"} first, then {"content"}, and {} in the final frame
     logprobs: ChoiceLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
-    matched_stop: int | str | None = None
 
 
 class ChatCompletionChunk(_Response):

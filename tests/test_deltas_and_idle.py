@@ -208,3 +208,31 @@ def test_an_engine_thread_call_its_caller_gave_up_on_is_skipped_and_the_engine_l
             ae.stop()
 
     assert asyncio.run(main()) == ["busy"]
+
+
+def test_an_engine_that_cannot_recover_ends_every_request_and_stops():
+    """A step fails and so does failing its requests (as after a sticky CUDA error): every open request still ends,
+    with a 500 and the error, and the engine is no longer alive (new requests and calls: EngineDeadError)."""
+    def build():
+        engine = make_engine(max_total_tokens=4096)
+        engine.step = lambda: (_ for _ in ()).throw(RuntimeError("device lost"))
+        engine.fail_all = lambda message: (_ for _ in ()).throw(RuntimeError("device lost again"))
+        return engine
+
+    async def main():
+        ae = AsyncEngine(build)
+        ae.start(asyncio.get_running_loop())
+        try:
+            _, channel = ae.submit([NewRequest([5, 6, 7], SamplingParams(max_new_tokens=4))] * 2)
+            outs = [(await asyncio.wait_for(channel.get(), timeout=30))[1] for _ in range(2)]
+            with pytest.raises(EngineDeadError):
+                ae.submit([NewRequest([5, 6, 7], SamplingParams(max_new_tokens=1))])
+            with pytest.raises(EngineDeadError):
+                await ae.on_engine_thread(lambda: None)
+            return outs, ae.alive, ae.num_in_flight()
+        finally:
+            ae.stop()
+
+    outs, alive, in_flight = asyncio.run(main())
+    assert not alive and in_flight == 0
+    assert all(o.finished and o.finish_reason["status_code"] == 500 and "device lost" in o.error for o in outs)

@@ -15,9 +15,8 @@ from engine.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w), in fp32, cast back at the end; w [D] or
-    one per head ([heads, D], x [T, heads, D]). NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven),
-    and n * (1 + w) is taken as n + n * w, one more (addcmul)."""
+    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w) in fp32, cast back; w [D] or per head
+    [heads, D]. NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven); n * (1 + w) as n + n * w, one."""
     n = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
     return torch.addcmul(n, n, weight.float()).to(x.dtype)
 
@@ -46,8 +45,7 @@ def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
 
 
 def rope_rotation(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The rotation of each channel pair at absolute positions, [[cos, -sin], [sin, cos]] as [T, 2, 2, r/2]:
-    computed once per step, shared by every layer."""
+    """[[cos, -sin], [sin, cos]] for each channel pair at the positions, [T, 2, 2, r/2]: once a step, all layers."""
     angles = positions.float()[:, None] * inv_freq[None, :]
     cos, sin = angles.cos(), angles.sin()
     return torch.stack((cos, -sin, sin, cos), dim=1).unflatten(1, (2, 2)).to(dtype)

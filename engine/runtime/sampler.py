@@ -73,8 +73,7 @@ class Sampler:
         return x
 
     def _on_device(self, key: str, rows: list[tuple], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """torch.tensor(rows) on `device`, built again only when `rows` changed since the last call for `key` (a
-        host-to-device copy: on CUDA a sync, every step a row has a logit_bias or is under min_new_tokens)."""
+        """torch.tensor(rows) on `device`, built again only when `rows` changed (each build a host-to-device sync)."""
         if self._state.get(key, (None,))[0] != rows:
             self._state[key] = (rows, torch.tensor(rows, dtype=dtype, device=device))
         return self._state[key][1]
