@@ -26,7 +26,7 @@ def norm_rope(y: torch.Tensor, parts: list[tuple[torch.Tensor, int]], eps: float
     once -> each part [T, heads_i, d]. NOTE: q with k (index q with k): a third of the kernels of one at a time."""
     d = parts[0][0].shape[0]
     w = torch.cat([norm.expand(heads, d) for norm, heads in parts])  # [heads, d]: each head's weight
-    out = apply_rope(rms_norm(y.view(y.shape[0], -1, d), w, eps), rot)
+    out = apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
     return list(out.split([heads for _, heads in parts], dim=1))
 
 
