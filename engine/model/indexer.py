@@ -21,12 +21,12 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
     r, t, h, _ = iq.shape
     n, pad = ik.shape[1], -ik.shape[1] % block_size
     ik = F.pad(ik.float(), (0, 0, 0, pad)) if pad else ik.float()  # (zero keys past the end, masked below)
-    hidden = ~(F.pad(visible, (0, pad), value=False) if pad else visible)  # [R, T, V + pad]
+    seen = F.pad(visible, (0, pad), value=False) if pad else visible  # [R, T, V + pad]
     scores = torch.matmul(iq.float().transpose(1, 2), ik.transpose(1, 2)[:, None])  # [R, H, T, N + pad]
     if visible.shape[-1] == n:  # (decode: a mask for every key; no in-place write to a slice, cheaper to trace)
-        scores = scores.masked_fill(hidden[:, None], NEG_INF)
+        scores = torch.where(seen[:, None], scores, NEG_INF)
     else:
-        scores[..., n - visible.shape[-1]:].masked_fill_(hidden[:, None], NEG_INF)
+        scores[..., n - visible.shape[-1]:].masked_fill_(~seen[:, None], NEG_INF)
     return scores.view(r, h, t, -1, block_size).amax(dim=-1)
 
 
