@@ -154,7 +154,7 @@ class MoE(nn.Module):
         multiplies its own expert's weights only (T*k expert products, whatever E), with shapes fixed by T."""
         t, k = ids.shape
         experts, order = torch.sort(ids.reshape(-1), stable=True)
-        ends = torch.searchsorted(experts, torch.arange(1, self.w13.shape[0] + 1, device=x.device)).to(torch.int32)
+        ends = torch.searchsorted(experts, torch.arange(1, self.w13.shape[0] + 1, device=x.device), out_int32=True)
         h = swiglu_oai(torch._grouped_mm(x[order // k], self.w13.transpose(1, 2), offs=ends), self.alpha, self.limit)
         y = torch._grouped_mm(h, self.w2.transpose(1, 2), offs=ends) * w.reshape(-1)[order].to(x.dtype)[:, None]
         out = torch.empty(t * k, x.shape[-1], dtype=y.dtype, device=y.device).index_copy_(0, order, y)  # (every row)
