@@ -40,7 +40,7 @@ class Sampler:
     same requests one token further): such a call builds no tensor from Python lists (each a host-to-device copy)."""
 
     def __init__(self) -> None:
-        self._state: dict[str, Any] = {}  # the last call's per-row tensors and the tokens it sampled
+        self._state: dict[str, Any] = {}  # the last call's per-row tensors and tokens; `_on_device`'s (list, tensor)s
 
     def process_logits(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                        output_ids: Sequence[Sequence[int]], prompt_ids: Sequence[Sequence[int]],

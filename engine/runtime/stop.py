@@ -56,9 +56,7 @@ class StopChecker:
                 self.done = True
                 return {"type": "stop", "matched": s}
         self._add(delta)
-        if self.params.max_new_tokens is not None and n_out >= self.params.max_new_tokens:
-            return self.finish({"type": "length", "length": self.params.max_new_tokens})
-        if n_total >= self.max_total_len:
+        if self.at_length(n_out, n_total - n_out):  # (n_out is max_new_tokens when that is what ends it)
             return self.finish({"type": "length", "length": n_out})
         return None
 
