@@ -8,7 +8,7 @@ from orig_checkpoint import make_config, random_state_dict, write_checkpoint
 from test_parity_transformers import Ours, prompt_logits
 
 from engine.model.attention import sparse_attend
-from engine.model.indexer import select_blocks
+from engine.model.indexer import block_masks, select_blocks
 
 
 @pytest.fixture(scope="module")
@@ -64,13 +64,13 @@ def test_sparse_with_topk_covering_every_block_equals_dense(block, n, t):
     q_pos = torch.arange(n - t, n)
     scores = torch.randn(1, n_kv, t, -(-n // block), generator=g)  # block scores
     topk = -(-n // block)
-    blocks = select_blocks(scores, q_pos[None], block, topk, init_blocks=0, local_blocks=1)[0].transpose(0, 1)
+    blocks = select_blocks(scores, block_masks(q_pos[None], scores.shape[-1], block, topk, 0, 1))[0].transpose(0, 1)
     keys = slots[None].expand(t, -1)
     sparse = sparse_attend(q, k_buf, v_buf, keys, blocks, q_pos, block, d ** -0.5)
     dense = _dense(q, k_buf, v_buf, slots, q_pos, d ** -0.5)
     assert (sparse - dense).abs().max().item() < 1e-5
     # and with a smaller budget it is genuinely different (the test can fail)
-    fewer = select_blocks(scores, q_pos[None], block, 2, init_blocks=0, local_blocks=1)[0].transpose(0, 1)
+    fewer = select_blocks(scores, block_masks(q_pos[None], scores.shape[-1], block, 2, 0, 1))[0].transpose(0, 1)
     if n > 2 * block:
         assert (sparse_attend(q, k_buf, v_buf, keys, fewer, q_pos, block, d ** -0.5) - dense).abs().max().item() > 1e-3
 
@@ -84,7 +84,8 @@ def test_sparse_attention_equals_masked_dense_reference():
     slots = _slots(n, 64, g)
     q = torch.randn(t, n_kv * group, d, generator=g)
     q_pos = torch.arange(t)
-    blocks = select_blocks(torch.randn(1, n_kv, t, -(-n // block), generator=g), q_pos[None], block, 3, 1, 1)[0]
+    nb = -(-n // block)
+    blocks = select_blocks(torch.randn(1, n_kv, t, nb, generator=g), block_masks(q_pos[None], nb, block, 3, 1, 1))[0]
     got = sparse_attend(q, k_buf, v_buf, slots[None].expand(t, -1), blocks.transpose(0, 1), q_pos, block,
                         d ** -0.5).view(t, n_kv, group, d)
     k, v = k_buf[slots], v_buf[slots]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.indexer import block_scores, select_blocks
+from engine.model.indexer import block_masks, block_scores, select_blocks
 
 
 def _visible(n: int, q_pos: torch.Tensor) -> torch.Tensor:
@@ -34,7 +34,7 @@ def test_selection_rules():
     q_pos = torch.arange(0, 60).view(1, -1)
     nb = 15
     scores = torch.randn(1, 2, 60, nb, generator=g)
-    sel = select_blocks(scores, q_pos, block, topk, init, local)
+    sel = select_blocks(scores, block_masks(q_pos, nb, block, topk, init, local))
     for h in range(2):
         for t in range(60):
             visible = t // block + 1
@@ -45,13 +45,13 @@ def test_selection_rules():
             assert forced <= set(chosen)
             rest = sorted((b for b in range(visible) if b not in forced), key=lambda b: (-float(scores[0, h, t, b]), b))
             assert set(chosen) == forced | set(rest[: len(chosen) - len(forced)])
-    tied = select_blocks(torch.zeros(1, 1, 1, 8), torch.tensor([[31]]), block, 3, 0, 1)
+    tied = select_blocks(torch.zeros(1, 1, 1, 8), block_masks(torch.tensor([[31]]), 8, block, 3, 0, 1))
     assert tied[0, 0, 0].tolist() == [7, 0, 1]  # equal scores: the lower block id wins
     # exactly a stable descending sort's order, ties (-0.0 and 0.0 equal) and infinities included
     values = torch.tensor([0.0, -0.0, 1.5, -2.0, 1.5, float("-inf"), -2.0, 3.0e38, -1e-45, 0.0, 1e-45, -0.0])
     keys = values[torch.randint(0, len(values), (3, 2, 50, 24), generator=g)]
     q_pos = torch.randint(0, 24 * block, (3, 50), generator=g)
-    got = select_blocks(keys, q_pos, block, 6, 1, 1)
+    got = select_blocks(keys, block_masks(q_pos, 24, block, 6, 1, 1))
     visible = (q_pos // block + 1)[:, None, :, None]
     b = torch.arange(24)
     forced = (b < torch.clamp(visible, max=1)) | (b >= visible - 1)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from engine.model.indexer import block_scores, select_blocks
+from engine.model.indexer import block_masks, block_scores, select_blocks
 from engine.model.layers import MoE, apply_rope, rms_norm, rope_rotation
 from engine.model.model import Attention, MiniMaxM3Model
 
@@ -91,8 +91,8 @@ def _attention(a: Attention, x: torch.Tensor, rot, b: int, t: int, causal: torch
         pos = torch.arange(t, device=x.device)
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):  # (fp32 scores, as the engine's)
             scores = block_scores(iq.transpose(1, 2), ik[:, 0], causal.expand(b, t, t), c.block_size)
-            blocks = select_blocks(scores, pos.expand(b, t), c.block_size, c.topk_blocks, c.init_blocks,
-                                   c.local_blocks)  # [B, n_kv, T, K]
+            blocks = select_blocks(scores, block_masks(pos.expand(b, t), scores.shape[-1], c.block_size, c.topk_blocks,
+                                                       c.init_blocks, c.local_blocks))  # [B, n_kv, T, K]
             keep = torch.zeros(b, c.num_kv_heads, t, scores.shape[-1] + 1, dtype=torch.bool, device=x.device)
             keep.scatter_(-1, torch.where(blocks < 0, scores.shape[-1], blocks), True)  # -1 -> a spare column
             keep = keep[..., :-1].repeat_interleave(c.block_size, dim=-1)[..., :t] & causal

@@ -5,8 +5,7 @@ The library lands beside inductor's compile cache (`TORCHINDUCTOR_CACHE_DIR`, by
 flags and the CPU (`cpu`: built with -march=native, it may not run on another, as a cache on a volume shared by
 machines would have it): clearing that cache clears it too. Built with the compiler inductor uses on CPU (gcc, or
 $CC), with OpenMP: the library then shares the OpenMP runtime torch has loaded, so its threads are torch's
-(torch.set_num_threads holds).
-"""
+(torch.set_num_threads holds)."""
 
 from __future__ import annotations
 

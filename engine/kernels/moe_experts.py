@@ -2,8 +2,7 @@
 
 CPU and float32 only (`on_kernel` says whether it runs here): moe_experts.c groups the tokens by expert inside
 the kernel, so there is no host sync and a compiled graph calls it as it is. Elsewhere MoE.forward keeps its
-PyTorch forms.
-"""
+PyTorch forms."""
 
 from __future__ import annotations
 

@@ -58,8 +58,7 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
 
     q [B, H, G, D]: the G query heads of KV head h act as G queries over its keys (GQA); rows [B, H, N]:
     each key's row of a buffer viewed as [slots * heads, D] (slot * heads + head); keep [B, H or 1, 1, N].
-    An opaque op: a compiled graph calls it as it is.
-    """
+    An opaque op: a compiled graph calls it as it is."""
     lib = _on_cpu_kernel(q, k_buf, v_buf)
     if lib is None:
         return gather_sdpa(q, k_buf, v_buf, rows, keep, scale)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from engine.kernels.paged_attention import paged_attention, paged_block_attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
-from engine.model.indexer import block_scores, select_blocks
+from engine.model.indexer import block_masks, block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
@@ -19,26 +19,35 @@ QUERY_CHUNK = 256
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
-              pool: MiniMaxSparseKVPool, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+              pool: MiniMaxSparseKVPool, cfg: ModelConfig, masks: tuple | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Main attention output [T, n_q*D] and, for index-value layers, the index output [T, n_I*D_I]."""
     if isinstance(batch, DecodeBatch):
-        return _decode(layer_id, q, iq, batch, pool, cfg)
+        return _decode(layer_id, q, iq, batch, pool, cfg, masks)
     outs = [_segment(layer_id, q[s.start:s.end], None if iq is None else iq[s.start:s.end], s, pool, cfg)
             for s in batch.segments]
     return torch.cat([a for a, _ in outs]), (torch.cat([u for _, u in outs]) if outs[0][1] is not None else None)
 
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
+def decode_masks(b: DecodeBatch, cfg: ModelConfig) -> tuple:
+    """What every layer of a decode step reads alike, made once a step: which keys each row sees [B, 1, 1, N] (j up
+    to its position) and, with sparse layers, the block selection's `block_masks`."""
+    n = b.key_slots.shape[1]
+    visible = (torch.arange(n, device=b.key_slots.device) <= b.positions[:, None])[:, None, None, :]
+    return visible, (block_masks(b.positions[:, None], -(-n // cfg.block_size), cfg.block_size, cfg.topk_blocks,
+                                 cfg.init_blocks, cfg.local_blocks) if cfg.any_sparse else None)
+
+
 def _rows(slots: torch.Tensor, heads: int) -> torch.Tensor:
     """Buffer rows (slot * heads + head) of every head's keys: slots [B, N] -> [B, heads, N]."""
     return slots[:, None, :] * heads + torch.arange(heads, device=slots.device)[None, :, None]
 
 
 def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBatch, pool: MiniMaxSparseKVPool,
-            cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+            cfg: ModelConfig, masks: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
     kind, rows = cfg.layer_kinds[layer_id], q.shape[0]
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
-    visible = b.key_visible()[:, None, None, :]  # [B, 1, 1, N]
+    visible, selection = masks  # [B, 1, 1, N], block_masks
     qh = q.view(rows, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, n_kv, G, D]: GQA group g = head // G
     scale = cfg.head_dim ** -0.5
     if kind == "dense":
@@ -46,8 +55,7 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
     else:  # NOTE: for any context length: with at most K blocks visible, all are selected (model.md §3.3)
         ik_buf = pool.get_index_k_buffer(layer_id)
         scores = block_scores(iq[:, None], ik_buf[b.key_slots][:, :, 0], visible[:, 0], cfg.block_size)
-        blocks = select_blocks(scores, b.positions[:, None], cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
-                               cfg.local_blocks)[:, :, 0]  # [B, n_kv, K]
+        blocks = select_blocks(scores, selection)[:, :, 0]  # [B, n_kv, K]
         o = sparse_attend(q, k_buf, v_buf, b.key_slots, blocks, b.positions, cfg.block_size, scale)
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense over the whole history (model.md §4)
@@ -106,7 +114,7 @@ def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, k_buf: to
     first = int(q_pos[0, 0])  # (keys before the chunk's first query: visible to all of its queries)
     visible = torch.arange(first, n, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, n - first]
     scores = block_scores(iq[None], ik[None, :n], visible, cfg.block_size)  # [1, n_kv, T, nb]
-    blocks = select_blocks(scores, q_pos, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
-                           cfg.local_blocks)[0].transpose(0, 1)  # [T, n_kv, K]
+    blocks = select_blocks(scores, block_masks(q_pos, scores.shape[-1], cfg.block_size, cfg.topk_blocks,
+                                               cfg.init_blocks, cfg.local_blocks))[0].transpose(0, 1)  # [T, n_kv, K]
     keys = seg.slots[None, :n].expand(q.shape[0], -1)
     return sparse_attend(q, k_buf, v_buf, keys, blocks, q_pos[0], cfg.block_size, scale)

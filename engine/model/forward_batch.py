@@ -85,7 +85,3 @@ class DecodeBatch:
         """Padding rows only (position 0, slot 0): what warm-up runs, and CUDA graphs' static inputs."""
         z = torch.zeros(rows, dtype=torch.int64, device=device)
         return cls(z, z.clone(), z.clone(), torch.zeros(rows, keys, dtype=torch.int64, device=device))
-
-    def key_visible(self) -> torch.Tensor:
-        """[B, N] bool: key j exists for row r (j <= its position)."""
-        return torch.arange(self.key_slots.shape[1], device=self.key_slots.device)[None, :] <= self.positions[:, None]

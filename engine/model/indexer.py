@@ -30,24 +30,28 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
     return scores.view(r, h, t, -1, block_size).amax(dim=-1)
 
 
-def select_blocks(block: torch.Tensor, q_pos: torch.Tensor, block_size: int, topk: int,
-                  init_blocks: int, local_blocks: int) -> torch.Tensor:
-    """Top-k key blocks per query and per index head, forced init/local blocks inside the budget.
-
-    block [R, H, T, nb] from `block_scores` (only blocks up to the query's own are read); q_pos [R, T].
-    Returns [R, H, T, topk] int64 block ids, left-packed, -1 in unused slots. Ties go to the lower
-    block id (stable descending sort).
-    """
-    nb = block.shape[-1]
+def block_masks(q_pos: torch.Tensor, nb: int, block_size: int, topk: int, init_blocks: int,
+                local_blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `select_blocks` reads of queries at q_pos [R, T] over nb blocks, the same for every layer (a decode step
+    makes them once): whether a block is chosen on its score [R, 1, T, nb], the key it takes if not (+inf: forced
+    in, -inf: past the query's own block V_t), and the result slots left unused [R, 1, T, topk] (|S| = min(K, V_t))."""
     visible = (q_pos // block_size + 1)[:, :, None]  # V_t, [R, T, 1]
-    b = torch.arange(nb, device=block.device)[None, None, :]
-    forced = (b < init_blocks) | (b >= visible - local_blocks)  # (those past V_t are made -inf after)
-    key = block.masked_fill(forced[:, None], float("inf")).masked_fill((b >= visible)[:, None], NEG_INF)
-    order = torch.topk(_tie_broken(key), min(topk, nb), dim=-1).indices  # (what a stable descending sort gives)
-    if nb < topk:
+    b = torch.arange(nb, device=q_pos.device)[None, None, :]
+    hidden, forced = b >= visible, (b < init_blocks) | (b >= visible - local_blocks)
+    unused = torch.arange(topk, device=q_pos.device)[None, None, :] >= visible
+    return ~(forced | hidden)[:, None], torch.where(hidden, NEG_INF, float("inf"))[:, None], unused[:, None]
+
+
+def select_blocks(block: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Top-k key blocks per query and per index head, forced init/local blocks inside the budget: block [R, H, T,
+    nb] from `block_scores` (only blocks up to the query's own are read), under the queries' `block_masks`.
+    Returns [R, H, T, topk] int64 block ids, left-packed, -1 in unused slots. Ties go to the lower block id."""
+    scored, forced_key, unused = masks
+    nb, topk = block.shape[-1], unused.shape[-1]
+    order = torch.topk(_tie_broken(torch.where(scored, block, forced_key)), min(topk, nb), dim=-1).indices
+    if nb < topk:  # (what a stable descending sort gives)
         order = F.pad(order, (0, topk - nb), value=-1)
-    unused = torch.arange(topk, device=block.device)[None, None, :] >= visible  # |S| = min(K, V_t)
-    return order.masked_fill(unused[:, None], -1)
+    return order.masked_fill(unused, -1)
 
 
 def _tie_broken(key: torch.Tensor) -> torch.Tensor:

@@ -16,9 +16,12 @@ from engine.model.config import ModelConfig
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w) in fp32, cast back; w [D] or per head
-    [heads, D]. NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven); n * (1 + w) as n + n * w, one."""
+    [heads, D]. NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven); n * (1 + w) as n + n * w, cast
+    back as it is written (out=): one."""
     n = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
-    return torch.addcmul(n, n, weight.float()).to(x.dtype)
+    if torch.is_grad_enabled():  # (training: out= has no autograd)
+        return torch.addcmul(n, n, weight.float()).to(x.dtype)
+    return torch.addcmul(n, n, weight.float(), out=torch.empty_like(x))
 
 
 def norm_rope(y: torch.Tensor, parts: list[tuple[torch.Tensor, int]], eps: float, rot: torch.Tensor) -> list[torch.Tensor]:

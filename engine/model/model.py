@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model.attention import attention
+from engine.model.attention import attention, decode_masks
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.layers import GatedMLP, GemmaRMSNorm, MoE, norm_rope, rope_inv_freq, rope_rotation
@@ -33,7 +33,7 @@ class Attention(nn.Module):
         if sparse:
             self.index_q_norm, self.index_k_norm = nn.Parameter(torch.zeros(di)), nn.Parameter(torch.zeros(di))
 
-    def forward(self, x: torch.Tensor, rot: torch.Tensor, batch: ForwardBatch | DecodeBatch,
+    def forward(self, x: torch.Tensor, rot: torch.Tensor, masks: tuple | None, batch: ForwardBatch | DecodeBatch,
                 pool: MiniMaxSparseKVPool) -> torch.Tensor:
         c, t, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
         y = F.linear(x, self.qkv_proj)
@@ -49,7 +49,7 @@ class Attention(nn.Module):
                 pool.set_index_kv_buffer(self.layer_id, batch.out_cache_loc, ik, parts[-1].view(t, 1, -1))
             else:
                 pool.set_index_k_buffer(self.layer_id, batch.out_cache_loc, ik)
-        o, u = attention(self.layer_id, q, iq, batch, pool, c)
+        o, u = attention(self.layer_id, q, iq, batch, pool, c, masks)
         return F.linear(o if u is None else torch.cat([o, u], dim=-1), self.o_proj)
 
 
@@ -62,9 +62,9 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (MoE(cfg) if cfg.moe_layers[layer_id] else
                                GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit))
 
-    def forward(self, x: torch.Tensor, rot: torch.Tensor, batch: ForwardBatch | DecodeBatch,
+    def forward(self, x: torch.Tensor, rot: torch.Tensor, masks: tuple | None, batch: ForwardBatch | DecodeBatch,
                 pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rot, batch, pool)
+        h = x + self.self_attn(self.input_layernorm(x), rot, masks, batch, pool)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -83,9 +83,10 @@ class MiniMaxM3Model(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)
+        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)  # (per step, read by every layer: so are
+        masks = decode_masks(batch, self.cfg) if isinstance(batch, DecodeBatch) else None  # a decode step's masks)
         for layer in self.layers:
-            x = layer(x, rot, batch, pool)
+            x = layer(x, rot, masks, batch, pool)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,8 +6,7 @@ and with the batch size dynamic for every other bucket (the key length is dynami
 to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
 eager step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up. A batch
 is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
-largest bucket runs eager.
-"""
+largest bucket runs eager."""
 
 from __future__ import annotations
 

@@ -9,8 +9,7 @@ Every one-row weight product (matrix-vector: the projections, MLPs and the LM he
 a multiply-and-sum, which inductor generates itself and runs on every thread. NOTE: MKL's sgemv ran them on one
 thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms on an AVX2 machine, 2 threads,
 interleaved. Inductor's own decompose_mm_pass does this too, but also rewrites batch-1 bmm, whose sums over the
-key length then guard it.
-"""
+key length then guard it."""
 
 from __future__ import annotations
 

@@ -21,10 +21,6 @@ _TYPED_FIELDS = {**dict.fromkeys(("temperature", "top_p", "min_p", "frequency_pe
                  **dict.fromkeys(("json_schema", "regex", "ebnf", "structural_tag"), (str, "a string"))}
 
 
-def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
-
-
 def _as_int(name: str, v: Any) -> int:
     if isinstance(v, int) and not isinstance(v, bool):
         return v
@@ -59,7 +55,7 @@ def _coerce(name: str, v: Any) -> Any:
             key = str(k) if isinstance(k, int) and not isinstance(k, bool) else k
             if not isinstance(key, str) or re.fullmatch(r"\s*[-+]?\d+\s*", key) is None:
                 raise ValueError(f"logit_bias keys must be token ids, got {k!r}.")
-            if not _is_number(b):
+            if not isinstance(b, (int, float)) or isinstance(b, bool):
                 raise ValueError(f"logit_bias values must be numbers, got {b!r} for key {key!r}.")
             out[key] = b
         return out
