@@ -214,13 +214,17 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     async def check_integrity(self) -> bool | None:
-        """The KV pool's check `Engine.integrity_ok`, on the engine thread; None while it warms up or has stopped."""
+        """The KV pool's check `Engine.check_integrity` (False where it fails), on the engine thread; None while it
+        warms up or has stopped."""
         return None if self.warming or not self.alive else await self.on_engine_thread(self._integrity_ok)
 
     def _integrity_ok(self) -> bool:
         if threading.current_thread() is not self._thread:  # the check runs torch
             raise RuntimeError("the integrity check runs on the engine thread only")
-        return self.engine.integrity_ok()
+        try:
+            return self.engine.check_integrity()
+        except AssertionError:
+            return False
 
     def drain(self, grace: float) -> Awaitable[None]:
         """Stop accepting; let in-flight requests finish for up to `grace` s, then abort the rest (5 s more to

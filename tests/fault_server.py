@@ -15,10 +15,10 @@ from engine.runtime.engine import Engine
 def inject(prefix: str, after: int, message: str = "injected test fault for rid {rid}") -> None:
     accept = Engine._accept
 
-    def faulty(self, req, row, tok):
+    def faulty(self, req, *args):
         if req.rid.startswith(prefix) and len(req.output_ids) >= after:
             raise RuntimeError(message.format(rid=req.rid))
-        return accept(self, req, row, tok)
+        return accept(self, req, *args)
 
     Engine._accept = faulty
 

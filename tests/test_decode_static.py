@@ -16,6 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode, register_flop_formula
 
 from engine.model.layers import MoE
 from engine.model.loader import load_model
+from engine.runtime.request import LogprobOptions
 from engine.runtime.scheduler import Scheduler
 from tests.forward_utils import PagedModel
 
@@ -91,18 +92,21 @@ def test_ops_per_decode_step_do_not_grow_with_rows(temperature):
 
 EXTRAS = {"penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5},
           "bias": {"logit_bias": {"5": 2.0, "7": -1.0}, "min_new_tokens": 10}}  # (stop ids suppressed: min_new_tokens)
+LOGPROBS = LogprobOptions(return_logprob=True, top_logprobs_num=3, token_ids_logprob=[5, 9])
 
 
-@pytest.mark.parametrize(("temperature", "extra"), [(0.0, None), (0.8, None), (0.8, "penalties"), (0.8, "bias")])
+@pytest.mark.parametrize(("temperature", "extra"), [(0.0, None), (0.8, None), (0.8, "penalties"), (0.8, "bias"),
+                                                    (0.8, "logprobs")])
 def test_a_steady_decode_step_crosses_to_the_host_once(monkeypatch, temperature, extra):
     """Tensors built from host data (`torch.tensor`), `.tolist()`, `.item()` and `.cpu()` during steady decode steps
     (the same requests as the step before; half of them with penalties, whose token counts stay on the device, or
-    with a logit_bias and under min_new_tokens, whose tensors are kept): only the sampled ids' `.tolist()` (a dispatch
-    mode does not see it)."""
+    with a logit_bias and under min_new_tokens, whose tensors are kept, or asking for output logprobs, which come
+    back with the ids): only the sampled ids' `.tolist()` (a dispatch mode does not see it)."""
     engine = make_engine(max_running_requests=64)
     for r in range(8):
-        submit(engine, [10 + r] * 40, max_new_tokens=12, temperature=temperature, top_p=0.9, ignore_eos=not (extra == "bias" and r % 2),
-               **(EXTRAS[extra] if extra and r % 2 else {}))
+        submit(engine, [10 + r] * 40, LOGPROBS if extra == "logprobs" and r % 2 else None, max_new_tokens=12,
+               temperature=temperature, top_p=0.9, ignore_eos=not (extra == "bias" and r % 2),
+               **(EXTRAS[extra] if extra in EXTRAS and r % 2 else {}))
     for _ in range(3):  # a prefill, then decode steps
         engine.step()
     crossings: list[str] = []

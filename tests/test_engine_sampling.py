@@ -118,3 +118,32 @@ def test_logprobs_match_transformers_and_rescoring(hf_pair):
         assert ta == tb and abs(a - b) < 1e-4
     start = solo(eng, full, LogprobOptions(return_logprob=True, logprob_start_len=5), max_new_tokens=0)
     assert len(start.logprobs.input_token) == len(full) - 5
+
+
+def test_output_logprobs_of_a_batch_of_mixed_asks_are_each_one_alone(hf_pair):
+    """Rows asking for different top-n and ids, and one asking for none, share each step's logprob table (read back
+    with the ids): each request gets the entries it gets alone, and the top entries are the largest, in order."""
+    _, eng = hf_pair
+    asks = [LogprobOptions(True, top_logprobs_num=1, token_ids_logprob=[9]), LogprobOptions(True, top_logprobs_num=4),
+            None, LogprobOptions(True, token_ids_logprob=[3, 5, 9, 2])]
+    prompts = [list(range(7 + i, 30 + 3 * i)) for i in range(4)]
+    params = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    alone = [solo(eng, p, lp, **params) for p, lp in zip(prompts, asks)]
+    rids = [submit(eng, p, lp, **params)[0] for p, lp in zip(prompts, asks)]
+    got = run_all(eng)
+    for rid, want, lp in zip(rids, alone, asks):
+        g = got[rid]
+        assert g.output_ids == want.output_ids and (g.logprobs is None) == (lp is None) == (want.logprobs is None)
+        if lp is None:
+            continue
+        assert len(g.logprobs.output_token) == 6 and len(g.logprobs.output_top) == (6 if lp.top_logprobs_num else 0)
+        assert len(g.logprobs.output_ids) == (6 if lp.token_ids_logprob else 0)
+        for name in ("output_token", "output_top", "output_ids"):
+            for x, y in zip(getattr(g.logprobs, name), getattr(want.logprobs, name)):
+                x, y = ([x], [y]) if name == "output_token" else (x, y)  # (one entry, or a list of them)
+                assert [t for _, t in x] == [t for _, t in y]
+                assert [v for v, _ in x] == pytest.approx([v for v, _ in y], abs=1e-4)
+        for (val, tok), top in zip(g.logprobs.output_token, g.logprobs.output_top):
+            assert top[0] == (val, tok) and [v for v, _ in top] == sorted((v for v, _ in top), reverse=True)
+        for ids in g.logprobs.output_ids:
+            assert [t for _, t in ids] == lp.token_ids_logprob

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import random
-from dataclasses import fields
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -134,7 +134,7 @@ def test_null_means_default_and_normalization() -> None:
     assert p.stop == ["abc"] and p.stop_regex == ["x+"] and p.stop_token_ids == frozenset({2, 5})
     assert p.logit_bias == {"3": 1} and p.top_k == 5 and isinstance(p.top_k, int)
     assert SamplingParams(stop="a").stop == ["a"] and SamplingParams(stop=None).stop == []
-    q = p.derive(n=1, sampling_seed=9, stop="z")
+    q = replace(p, n=1, sampling_seed=9, stop="z")  # (__post_init__ normalizes the copy too)
     assert q.sampling_seed == 9 and q.stop == ["z"] and p.sampling_seed is None and q.stop_token_ids == p.stop_token_ids
 
 

@@ -11,13 +11,10 @@ NEG_INF = float("-inf")
 
 def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
     """s[r, h, t, b] = max over keys j of block b that query t may see of iq[r, t, h] . ik[r, j] (fp32, no
-    scale); -inf for a block with no visible key (model.md §3.2).
-
-    iq [R, T, H, D_I] (normed, rotated), ik [R, N, D_I] (cached index keys), visible [R, T, V] bool for the last
-    V keys (causal, and False on padding keys); the first N - V keys are visible to every query (an extend
-    chunk's past: NOTE: masking only the chunk's own keys, a 4k prefill's block scores cost ~3x less)
-    -> [R, H, T, ceil(N / block_size)].
-    """
+    scale); -inf for a block with no visible key (model.md §3.2). iq [R, T, H, D_I] (normed, rotated), ik [R, N,
+    D_I] (cached index keys), visible [R, T, V] bool for the last V keys (causal, and False on padding keys); the
+    first N - V keys are visible to every query (an extend chunk's past: NOTE: masking only the chunk's own keys, a
+    4k prefill's block scores cost ~3x less) -> [R, H, T, ceil(N / block_size)]."""
     r, t, h, _ = iq.shape
     n, pad = ik.shape[1], -ik.shape[1] % block_size
     ik = F.pad(ik.float(), (0, 0, 0, pad)) if pad else ik.float()  # (zero keys past the end, masked below)
@@ -56,9 +53,8 @@ def select_blocks(block: torch.Tensor, masks: tuple[torch.Tensor, torch.Tensor, 
 
 def _tie_broken(key: torch.Tensor) -> torch.Tensor:
     """float32 keys [..., nb] as int64 keys in the same order with every tie broken toward the lower index: the
-    float's bits made monotone (-0.0 equal to 0.0), times nb, plus nb - 1 - index. NOTE: top-k of these instead
-    of a stable sort: a batch-1 decode graph (compiled, configs/tiny, 320 keys) 1.49-1.53 vs 1.62-1.77 ms, A/B;
-    a 4k and a 16k prefill 1.04x / 1.02x, an eager 32-row step 1.01x."""
+    float's bits made monotone (-0.0 equal to 0.0), times nb, plus nb - 1 - index. NOTE: top-k of these, not a
+    stable sort: a batch-1 decode graph (CPU, compiled, configs/tiny) 1.49-1.53 vs 1.62-1.77 ms, A/B."""
     assert key.dtype == torch.float32, key.dtype  # (block_scores computes in fp32)
     bits = key.contiguous().view(torch.int32).to(torch.int64)
     monotone = torch.where(bits < 0, -2**31 - bits, bits)  # (-0.0's bits, -2**31, become 0)

@@ -87,22 +87,19 @@ class DecodeGraphs:
 
     def info(self) -> dict:
         """What was captured, and how serving has used it (for /server_info)."""
-        cuda = self.device.type == "cuda" and bool(self.buckets)
+        cuda, cpu = (self.device.type == kind and bool(self.buckets) for kind in ("cuda", "cpu"))
         return {"batch_sizes": list(self.ready()), "key_buckets": list(self.key_buckets),
                 "graphs": len(self._cuda.graphs) if cuda else len({self._graph(b) for b in self._compiled}),
-                "replays": self._cuda.replays if cuda else None, "guard_misses": self.guard_misses(),
-                "eager_steps": self.eager_steps, "compiles_since_warm_up": _compiles() - self._compiles_at_warm_up}
+                "replays": self._cuda.replays if cuda else None, "eager_steps": self.eager_steps,
+                # (steps run eager because a saved graph's guards refused them: 0 when all is well)
+                "guard_misses": sum(g.guard_misses for g in {self._one, self._many}) if cpu else 0,
+                "compiles_since_warm_up": _compiles() - self._compiles_at_warm_up}
 
     def ready(self) -> tuple[int, ...]:
         return tuple(sorted(self._compiled))
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
-
-    def guard_misses(self) -> int:
-        """Decode steps that ran eager because a saved graph's guards refused them (CPU; 0 when all is well)."""
-        cpu = self.device.type == "cpu" and bool(self.buckets)
-        return sum(g.guard_misses for g in {self._one, self._many}) if cpu else 0
 
     def warm_up(self) -> None:
         """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket."""

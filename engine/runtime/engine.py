@@ -1,6 +1,6 @@
 """The engine: `add_requests`, `abort`, `stats`, `wait_for_work` (any thread) and `step` (the engine thread only:
 take new requests and aborts, schedule, run, sample, read the tokens back) -> a delta for each touched request. The
-maintenance calls (`flush_cache`, `integrity_ok`) run torch: the engine thread too, between two steps.
+maintenance calls (`flush_cache`, `check_integrity`) run torch: the engine thread too, between two steps.
 Overlapped (CUDA; SGLang's overlap schedule), a steady decode step is launched before the last step's tokens are read
 back, so the host's work on them runs while the device computes; a request that a read-back token ends (EOS, a stop)
 has one more token computed ahead, dropped. On CPU a step computes as it is launched: overlap would only delay it."""
@@ -10,6 +10,7 @@ from __future__ import annotations
 import random
 import threading
 import uuid
+from dataclasses import replace
 
 import torch
 
@@ -48,7 +49,7 @@ class Engine:
         self._rids = RidTable()
         self._touched: dict[str, Req] = {}
         self._overlap = self._runner.device.type == "cuda" and not args.disable_overlap_schedule
-        self._pending: tuple | None = None  # the last step's (requests, logits, ids on their way to the host, event)
+        self._pending: tuple | None = None  # the last step's (requests, logprob layout, ids or table to the host, event)
 
     @property
     def pool(self) -> MiniMaxSparseKVPool:
@@ -77,11 +78,11 @@ class Engine:
         cache is on. NOTE: built here, not by the caller, so only the engine thread runs torch."""
         n, parent = r.params.n, None
         if n > 1 and not self.args.disable_radix_cache:
-            parent = self._make_req(f"{rid}__prefill", r, r.params.derive(max_new_tokens=0, n=1), hidden=True)
+            parent = self._make_req(f"{rid}__prefill", r, replace(r.params, max_new_tokens=0, n=1), hidden=True)
             self._scheduler.add(parent)
         for i in range(n):
             seed = None if r.params.sampling_seed is None else r.params.sampling_seed + i
-            req = self._make_req(rid if n == 1 else f"{rid}_{i}", r, r.params.derive(n=1, sampling_seed=seed))
+            req = self._make_req(rid if n == 1 else f"{rid}_{i}", r, replace(r.params, n=1, sampling_seed=seed))
             req.depends_on = parent
             self._scheduler.add(req)
 
@@ -175,32 +176,36 @@ class Engine:
                                       [r.prompt_ids for r in reqs], [r.seed for r in reqs], suppress, steady)
         for r in reqs:
             r.inflight += 1
-        keep = logits if any(r.logprob.return_logprob for r in reqs) else [None] * len(reqs)  # (logprobs' rows)
-        return reqs, keep, *self._runner.sampled(tokens)
+        lp = [r.logprob for r in reqs if r.logprob.return_logprob]  # (their logprobs come back with the tokens)
+        layout = (min(max(o.top_logprobs_num for o in lp), logits.shape[1]),
+                  sorted({i for o in lp for i in o.token_ids_logprob or ()})) if lp else None
+        table = self._sampler.logprob_table(logits, tokens, *layout) if layout else None
+        return reqs, layout, *self._runner.sampled(tokens, table)
 
     def _read_back(self) -> None:
         """Accept the pending step's tokens (the step's one device-to-host copy, waited for here), if there is one."""
         if self._pending is None:
             return
-        (reqs, logits, ids, ready), self._pending = self._pending, None
+        (reqs, layout, ids, ready), self._pending = self._pending, None
         if ready is not None and not all(r.finished for r in reqs):
             ready.synchronize()
-        for req, row, tok in zip(reqs, logits, ids.tolist()):
+        for req, row in zip(reqs, ids.tolist()):  # (each a token id, or a logprob table's row: see _sample)
+            tok = row if layout is None else int(row[0])
             req.inflight -= 1
             if req.finished:  # (ended by the token before: this one was computed ahead, and is dropped)
                 continue
             try:
-                reason = self._accept(req, row, tok)
+                reason = self._accept(req, tok, row, layout)
             except Exception as e:  # one request's failure (detokenizing, logprobs) ends only it; KV not cached: its
                 self._end(req, {"type": "abort", "message": f"internal error: {e}", "status_code": 500}, str(e), False)
                 continue  # (last token may be unrecorded, with its slot computed ahead)
             if reason is not None:
                 self._end(req, reason)
 
-    def _accept(self, req: Req, row: torch.Tensor, tok: int) -> dict | None:
+    def _accept(self, req: Req, tok: int, row: list[float] | int, layout: tuple | None) -> dict | None:
         """Record a sampled token (logprobs, output, stop checks); the finish reason if it ends the request."""
         if req.logprob.return_logprob:
-            record_output(req, row, tok)
+            record_output(req, row, *layout)
         req.output_ids.append(tok)
         self._touched[req.rid] = req
         return req.stop.on_token(tok, len(req.output_ids), len(req.prompt_ids) + len(req.output_ids))
@@ -241,10 +246,3 @@ class Engine:
 
     def check_integrity(self) -> bool:
         return self._scheduler.check_integrity()
-
-    def integrity_ok(self) -> bool:
-        """`check_integrity()`, False instead of raising."""
-        try:
-            return self.check_integrity()
-        except AssertionError:
-            return False

@@ -17,14 +17,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch._inductor import pattern_matcher as pm
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch._inductor.pattern_matcher import (
-    CallFunction,
-    KeywordArg,
-    Match,
-    PatternMatcherPass,
-    register_graph_pattern,
-)
 
 from engine.kernels import moe_experts, paged_attention
 from engine.model import layers
@@ -32,6 +26,7 @@ from engine.model.layers import gathered_experts
 from engine.runtime.decode_graph import SUM_PIECE
 
 aten, minimax = torch.ops.aten, torch.ops.minimax
+CallFunction, KeywordArg, Match, PatternMatcherPass = pm.CallFunction, pm.KeywordArg, pm.Match, pm.PatternMatcherPass
 _PATTERNS = PatternMatcherPass(pass_name="matvec_as_reduction")
 _OPS = PatternMatcherPass(pass_name="one_row_ops")
 NEG_INF = float("-inf")
@@ -60,14 +55,14 @@ def _first_one_row(match: Match) -> bool:
 _ARGS = [KeywordArg(n) for n in ("q", "k", "v")]
 
 
-@register_graph_pattern(CallFunction(minimax.paged_attention.default, *_ARGS, KeywordArg("rows"), KeywordArg("keep"),
+@pm.register_graph_pattern(CallFunction(minimax.paged_attention.default, *_ARGS, KeywordArg("rows"), KeywordArg("keep"),
                                      KeywordArg("scale")), extra_check=_first_one_row, pass_dict=_OPS)
 def _attention(match: Match, q, k, v, rows, keep, scale: float) -> None:
     match.replace_by_example(lambda q, k, v, rows, keep: one_row_attention(q, k, v, rows, keep, scale),
                              [q, k, v, rows, keep])
 
 
-@register_graph_pattern(CallFunction(minimax.paged_block_attention.default, *_ARGS, KeywordArg("slots"),
+@pm.register_graph_pattern(CallFunction(minimax.paged_block_attention.default, *_ARGS, KeywordArg("slots"),
                                      KeywordArg("blocks"), KeywordArg("q_pos"), KeywordArg("block_size"),
                                      KeywordArg("scale")), extra_check=_first_one_row, pass_dict=_OPS)
 def _block_attention(match: Match, q, k, v, slots, blocks, q_pos, block_size: int, scale: float) -> None:
@@ -78,7 +73,7 @@ def _block_attention(match: Match, q, k, v, slots, blocks, q_pos, block_size: in
     match.replace_by_example(one_row, [q, k, v, slots, blocks, q_pos])
 
 
-@register_graph_pattern(CallFunction(minimax.moe_experts.default, *(KeywordArg(n) for n in ("q", "ids", "w", "w13", "w2")),
+@pm.register_graph_pattern(CallFunction(minimax.moe_experts.default, *(KeywordArg(n) for n in ("q", "ids", "w", "w13", "w2")),
                                      KeywordArg("alpha"), KeywordArg("limit")), extra_check=_first_one_row, pass_dict=_OPS)
 def _moe(match: Match, q, ids, w, w13, w2, alpha: float, limit: float) -> None:
     match.replace_by_example(lambda x, ids, w, w13, w2: gathered_experts(x, ids, w, w13, w2, alpha, limit),
@@ -97,14 +92,14 @@ def _realized(*nodes: torch.fx.Node) -> None:
         n.meta["inductor_realize_to_strides"] = True
 
 
-@register_graph_pattern(CallFunction(aten.mm, KeywordArg("a"), KeywordArg("b")), extra_check=_one_row,
+@pm.register_graph_pattern(CallFunction(aten.mm, KeywordArg("a"), KeywordArg("b")), extra_check=_one_row,
                         pass_dict=_PATTERNS)
 def _mm(match: Match, a: torch.fx.Node, b: torch.fx.Node) -> None:
     match.replace_by_example(lambda a, b: (a[:, :, None] * b[None]).sum(dim=1), [a, b])
     _realized(a, b)
 
 
-@register_graph_pattern(CallFunction(aten.addmm, KeywordArg("bias"), KeywordArg("a"), KeywordArg("b")),
+@pm.register_graph_pattern(CallFunction(aten.addmm, KeywordArg("bias"), KeywordArg("a"), KeywordArg("b")),
                         extra_check=_one_row, pass_dict=_PATTERNS)
 def _addmm(match: Match, bias: torch.fx.Node, a: torch.fx.Node, b: torch.fx.Node) -> None:
     match.replace_by_example(lambda bias, a, b: (a[:, :, None] * b[None]).sum(dim=1) + bias, [bias, a, b])

@@ -65,7 +65,10 @@ def record_prompt(req: Req, plan: PromptRows, logits: torch.Tensor) -> None:
                                     input_rank=ranks))
 
 
-def record_output(req: Req, row: torch.Tensor, token: int) -> None:
-    lp = req.logprob
-    tok, top, ids, _ = logprob_entries(row[None], [token], lp.top_logprobs_num, lp.token_ids_logprob)
-    req.pending.extend(Logprobs(output_token=tok, output_top=top or [], output_ids=ids or []))
+def record_output(req: Req, row: list[float], top_n: int, ids: list[int]) -> None:
+    """A read-back row of `Sampler.logprob_table(..., top_n, ids)`: the request's sampled token, its logprob, its top
+    alternatives and the ids it asks for."""
+    k, asked, tops = min(req.logprob.top_logprobs_num, top_n), req.logprob.token_ids_logprob, 2 + top_n
+    top = [list(zip(row[2:2 + k], map(int, row[tops:tops + k])))] if k else []
+    picked = [[(row[tops + top_n + ids.index(i)], i) for i in asked]] if asked else []
+    req.pending.extend(Logprobs(output_token=[(row[1], int(row[0]))], output_top=top, output_ids=picked))

@@ -53,14 +53,14 @@ class ModelRunner:
         keys = F.pad(table[rows, :n], (0, n - min(n, table.shape[1])))  # (past the table: padding keys, masked)
         return DecodeBatch(ids, pos, batch.out_cache_loc.to(dev, torch.int64), keys.to(torch.int64))
 
-    def sampled(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        """Keep the tokens just sampled (on the device: a steady next step's inputs); return them on their way to the
-        host and the event to wait for before reading them (CUDA: a copy into pinned memory; else themselves)."""
-        self._tokens = tokens
+    def sampled(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Keep the tokens just sampled (on the device: a steady next step's inputs); return `out` (default: them) on
+        its way to the host and the event to wait for before reading it (CUDA: a copy into pinned memory; else itself)."""
+        self._tokens, out = tokens, tokens if out is None else out
         if self.device.type != "cuda":
-            return tokens, None
-        host, ready = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True), torch.cuda.Event()
-        host.copy_(tokens, non_blocking=True)
+            return out, None
+        host, ready = torch.empty(out.shape, dtype=out.dtype, pin_memory=True), torch.cuda.Event()
+        host.copy_(out, non_blocking=True)
         ready.record()
         return host, ready
 

@@ -138,6 +138,14 @@ class Sampler:
         st["tokens"] = tokens
         return tokens
 
+    def logprob_table(self, logits: torch.Tensor, tokens: torch.Tensor, top_n: int, ids: list[int]) -> torch.Tensor:
+        """Each row's sampled token, its logprob under the raw logits, the top_n logprobs, their ids and the logprobs
+        of `ids`: float64 [B, 2 + 2 * top_n + len(ids)] on the device (read back as the step's one copy)."""
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        top = lp.topk(top_n, dim=-1)
+        asked = lp[:, self._on_device("logprob_ids", ids, torch.int64, lp.device)] if ids else lp[:, :0]
+        return torch.cat([tokens[:, None], lp.gather(1, tokens[:, None]), top.values, top.indices, asked], 1).double()
+
 
 _M32 = 0xFFFFFFFF
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 MAX_N = 128  # upper bound on `n` (parallel samples per prompt)
@@ -160,7 +160,3 @@ class SamplingParams:
     def is_greedy(self) -> bool:
         """True when decoding is greedy (argmax); such rows never consume randomness."""
         return self.temperature < GREEDY_EPS
-
-    def derive(self, **changes: Any) -> SamplingParams:
-        """A copy with some fields replaced (e.g. `derive(n=1, sampling_seed=s + i)` for parallel samples)."""
-        return replace(self, **changes)
