@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -88,6 +89,50 @@ def test_ops_per_decode_step_do_not_grow_with_rows(temperature):
     """The same count at 2 and 32 rows (a batch of 1 may take a few ops fewer: no row to pick)."""
     few, many = _ops_per_step(2, temperature), _ops_per_step(32, temperature)
     assert many == few, (few, many)
+
+
+NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "transpose", "t", "unsqueeze", "squeeze",
+             "permute", "as_strided", "alias", "split", "split_with_sizes", "detach", "unbind", "unflatten", "flatten",
+             "empty", "empty_like", "empty_strided", "new_empty"}  # (views and allocations launch nothing)
+KERNEL_BUDGET = 700  # configs/tiny: 670 at 2026-12-05 (1,169 before the cuts of 2026-12-05)
+
+
+class _Kernels(TorchDispatchMode):
+    """The kernels a CUDA graph of the dispatched ops would replay: aten ops but views and allocations, the CPU's
+    decomposition of `F.rms_norm` (pow, mean, add_, rsqrt, mul) as the one fused kernel it is on CUDA, and the
+    minimax ops through the path they take on CUDA (gather and SDPA), counted inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "minimax":  # (its body, run under this mode again: on CPU in bf16 it takes CUDA's path)
+            with self:
+                return func.redispatch(torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd),
+                                       *args, **(kwargs or {}))
+        name = func.__name__.split(".")[0]
+        self.ops += [] if name in NO_KERNEL else [name]
+        return func(*args, **(kwargs or {}))
+
+    def kernels(self) -> int:
+        return len(self.ops) - 4 * " ".join(self.ops).count("pow mean add_ rsqrt mul")
+
+
+def test_a_bfloat16_decode_step_keeps_its_kernel_budget():
+    """An eager bfloat16 decode step of configs/tiny past the top-k budget (4 rows of 300 tokens: block selection runs)
+    launches at most KERNEL_BUDGET kernels (`_Kernels`: what a captured CUDA graph replays, ~2 us each on an H200 at
+    small batches). A change that adds kernels to every layer or step fails here; lower the budget as they drop."""
+    model = load_model(TINY, dtype=torch.bfloat16)
+    paged = PagedModel(model, size=4 * 400 + 64, max_requests=4)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.cfg.vocab_size, (300,), generator=g).tolist() for _ in range(4)]
+    kvs = [paged.kv.admit([]) for _ in prompts]
+    batch = paged.decode_batch(kvs, [int(x[-1].argmax()) for x in paged.step(kvs, prompts)])
+    with torch.no_grad(), _Kernels() as k:
+        paged.decode_step(batch)
+    assert "topk" in k.ops and any("scaled_dot_product" in op for op in k.ops)  # (selection ran; attention as on CUDA)
+    assert k.kernels() <= KERNEL_BUDGET, (k.kernels(), Counter(k.ops).most_common(12))
 
 
 EXTRAS = {"penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5},
