@@ -17,7 +17,7 @@ from engine_utils import TINY, make_engine, run_all, solo
 from server_utils import live_server
 
 from engine.model.loader import load_model
-from engine.runtime.request import NewRequest
+from engine.runtime.request import LogprobOptions, NewRequest
 from engine.runtime.sampling_params import SamplingParams
 from tests.forward_utils import PagedModel
 
@@ -95,16 +95,18 @@ def test_overlapped_steps_on_cuda_match_steps_read_back_one_by_one():
 
 
 def test_steady_engine_steps_have_no_host_sync():
-    """Steady decode steps through `engine.step()` (captured graphs, overlapped, greedy and sampled rows) under CUDA's
-    sync debug mode: the sampled ids reach the host through pinned memory and an event, never a synchronizing copy."""
+    """Steady decode steps through `engine.step()` (captured graphs, overlapped, greedy and sampled rows, one asking
+    for output logprobs) under CUDA's sync debug mode: the sampled ids (and the logprobs) reach the host through
+    pinned memory and an event, never a synchronizing copy."""
     e = make_engine(device="cuda", model_path=TINY, load_format="auto", disable_cuda_graph=False, cuda_graph_bs=[4],
                     max_total_tokens=1700)
     e.warm_up()
     for i in range(20):  # (a prefix cache the steady steps must evict from: its frees must not sync either)
         solo(e, [100 + i] * 25, max_new_tokens=1)
-    for n, t in ((30, 0.0), (300, 0.8), (420, 0.0), (599, 0.8)):
+    for n, t in ((30, 0.0), (300, 0.8), (420, 0.0), (599, 0.8)):  # (one row asking for logprobs: they come with the ids)
         e.add_requests([NewRequest(PROMPT[:n], SamplingParams.from_dict(
-            {"max_new_tokens": 60, "temperature": t, "sampling_seed": n, "ignore_eos": True}))])
+            {"max_new_tokens": 60, "temperature": t, "sampling_seed": n, "ignore_eos": True}),
+            LogprobOptions(True, top_logprobs_num=3, token_ids_logprob=[5, 9]) if n == 300 else LogprobOptions())])
     for _ in range(4):  # (the prefills, then steady decode)
         e.step()
     torch.cuda.synchronize()
