@@ -4,7 +4,8 @@
 2. Startup: `python -m server --device cuda` on configs/tiny until /health is 200, twice (cold, then warm).
 3. The server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
 4. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8 (again with
-   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows; the kernels of a step (profiled).
+   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows; the kernels of a step (profiled); a
+   trace of steady engine steps (GPU busy share, host waits; the traces, gzipped, into $OUT).
 5. Ours captured and eager against transformers `generate`, batch 1 and 64 (the transformers copy of the weights).
 6. A mid-size MiniMax-M3-shaped model (dummy weights, ~1.5B parameters, 64 experts top-4): its capture time and
    its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run, and
@@ -134,6 +135,55 @@ def _kernel_profile(e: Engine, rows: int, steps: int) -> dict:
             "top": [[k.key[:70], round(k.count / steps), round(k.device_time_total / steps, 1)] for k in kernels[:15]]}
 
 
+def step_trace(e: Engine, rows: int, temperature: float, steps: int = 12) -> dict:
+    """Where a steady decode step's wall time goes: `steps` engine.step() calls with `rows` requests all decoding,
+    profiled (host and GPU): the GPU's busy share of the window (its kernels' summed time), the host's waits (event
+    and stream syncs, copies) and its heaviest ops; the trace itself, gzipped, into $OUT for chrome://tracing. A step
+    well above the GPU's busy time with little host waiting says the host bounds it; a GPU busy throughout, the
+    kernels. (The offline figures above measure the same steps without the profiler's overhead.)"""
+    try:
+        return _step_trace(e, rows, temperature, steps)
+    except Exception as err:  # (a profiler failure must not lose the section's other figures)
+        return {"error": f"{type(err).__name__}: {err}"}
+
+
+def _step_trace(e: Engine, rows: int, temperature: float, steps: int) -> dict:
+    import gzip
+    import shutil
+
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams.from_dict({"max_new_tokens": steps + 8, "temperature": temperature, "ignore_eos": True})
+    e.add_requests([NewRequest(prompt(i, 128, 4000), params) for i in range(rows)])
+    while not (e.stats().num_running == rows and e.stats().num_waiting == 0):
+        e.step()
+    for _ in range(3):  # (steady, overlapped)
+        e.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            e.step()
+        wall = time.perf_counter() - t
+    while e.has_work():
+        e.step()
+    avg = prof.key_averages()
+    gpu_us = sum(k.device_time_total for k in avg if k.device_type.name == "CUDA")
+    waits = {k.key: [k.count, round(k.self_cpu_time_total / 1e3, 2)] for k in avg
+             if any(w in k.key for w in ("Synchronize", "Memcpy", "HostAlloc", "cudaGraphLaunch", "cudaLaunchKernel"))}
+    host = sorted((k for k in avg if k.device_type.name == "CPU"), key=lambda k: -k.self_cpu_time_total)[:15]
+    out = {"rows": rows, "temperature": temperature, "step_ms": round(wall / steps * 1e3, 3),
+           "gpu_busy_ms_per_step": round(gpu_us / steps / 1e3, 3), "gpu_busy_share": round(gpu_us / 1e6 / wall, 3),
+           "host_calls_ms_per_window": waits,
+           "host_top_self_ms": [[k.key[:60], k.count, round(k.self_cpu_time_total / 1e3, 2)] for k in host]}
+    if os.environ.get("OUT"):
+        raw = Path(tempfile.mkdtemp()) / "trace.json"
+        prof.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(Path(os.environ["OUT"], f"trace_{rows}_t{temperature}.json.gz"), "wb") as dst:
+            shutil.copyfileobj(src, dst)
+    return out
+
+
 def offline() -> dict:
     t = time.perf_counter()
     e = engine(TINY, graphs=True)
@@ -145,6 +195,7 @@ def offline() -> dict:
                              ("rows256_greedy", 256, 0.0)):
         out[name] = decode_steps(e, rows, 128, temp)
     out["graphs_after"] = e._runner.graphs.info()
+    out["trace"] = {f"{rows}_t{temp}": step_trace(e, rows, temp) for rows, temp in ((64, 0.0), (64, 0.8), (1, 0.0))}
     out["temp_over_greedy_64"] = round(out["rows64_t08"]["step_ms"] / out["rows64_greedy"]["step_ms"], 3)
     del e
     off = engine(TINY, graphs=True, cuda_graph_bs=[64], disable_overlap_schedule=True)  # (each step read back)
