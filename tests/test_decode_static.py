@@ -1,6 +1,7 @@
 """A decode step's cost does not depend on what it should not: the MoE's FLOPs are those of the chosen experts
-(not every expert's), and the operations an engine step dispatches do not grow with its rows, sampling
-included (counted with a TorchDispatchMode, eager, steady state)."""
+(not every expert's), the operations an engine step dispatches do not grow with its rows, sampling included
+(counted with a TorchDispatchMode, eager, steady state), a steady step crosses to the host once, and the model's
+step stays within its budget of kernels (what a captured CUDA graph replays)."""
 
 from __future__ import annotations
 
