@@ -55,8 +55,8 @@ def select_blocks(block: torch.Tensor, masks: tuple[torch.Tensor, ...]) -> torch
 
 def _tie_broken(key: torch.Tensor, tie_break: torch.Tensor) -> torch.Tensor:
     """float32 keys [..., nb] as int64 keys in the same order with every tie broken toward the lower index: the
-    float's bits made monotone (-0.0 equal to 0.0), times nb, plus tie_break = nb - 1 - index. NOTE: top-k of these, not a
-    stable sort: a batch-1 decode graph (CPU, compiled, configs/tiny) 1.49-1.53 vs 1.62-1.77 ms, A/B."""
+    float's bits made monotone (-0.0 equal to 0.0), times nb, plus tie_break (nb - 1 - index). NOTE: top-k of
+    these, not a stable sort: a batch-1 decode graph (CPU, compiled, configs/tiny) 1.49-1.53 vs 1.62-1.77 ms, A/B."""
     assert key.dtype == torch.float32, key.dtype  # (block_scores computes in fp32)
     bits = key.contiguous().view(torch.int32).to(torch.int64)
     monotone = torch.where(bits < 0, -2**31 - bits, bits)  # (-0.0's bits, -2**31, become 0)

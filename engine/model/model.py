@@ -83,8 +83,9 @@ class MiniMaxM3Model(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)  # (per step, read by every layer: so are
-        masks = decode_masks(batch, self.cfg) if isinstance(batch, DecodeBatch) else None  # a decode step's masks)
+        # (made once a step, read by every layer: the RoPE rotations, and a decode step's masks)
+        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)
+        masks = decode_masks(batch, self.cfg) if isinstance(batch, DecodeBatch) else None
         for layer in self.layers:
             x = layer(x, rot, masks, batch, pool)
         return self.norm(x)
