@@ -125,10 +125,6 @@ class KVCacheManager:
     def free_slots(self) -> int:
         return self.allocator.available_size()
 
-    def used_slots(self) -> int:
-        """Slots held by requests or by the tree."""
-        return self.allocator.used_size()
-
     def evictable_slots(self) -> int:
         return self.radix.evictable_size()
 

@@ -112,16 +112,12 @@ class SparsePoolInfoMixin:
         """One LayerInfo (http_api.md §6): kind, which buffers exist, where, their shapes, bytes/token."""
         kind = self.layer_kind(layer_id)
         routes = self._routes[layer_id]
-        return {
-            "layer_id": layer_id,
-            "attention": "dense" if kind == DENSE else "sparse",
-            "kind": kind,
-            "buffers": {b: routes[b] is not None for b in BUFFER_NAMES},
-            "locations": {b: r and {"pool": r.pool.name, "local_layer_id": r.local_layer_id}
-                          for b, r in routes.items()},
-            "shapes": {b: r and list(r.pool.buffer_shape) for b, r in routes.items()},
-            "bytes_per_token": self.layer_bytes_per_token(layer_id),
-        }
+        return {"layer_id": layer_id, "attention": "dense" if kind == DENSE else "sparse", "kind": kind,
+                "buffers": {b: routes[b] is not None for b in BUFFER_NAMES},
+                "locations": {b: r and {"pool": r.pool.name, "local_layer_id": r.local_layer_id}
+                              for b, r in routes.items()},
+                "shapes": {b: r and list(r.pool.buffer_shape) for b, r in routes.items()},
+                "bytes_per_token": self.layer_bytes_per_token(layer_id)}
 
     def layers_info(self) -> list[dict[str, Any]]:
         return [self.layer_info(i) for i in range(self.num_layers)]
@@ -137,16 +133,9 @@ class SparsePoolInfoMixin:
     def buffer_info(self, layer_id: int, buffer: str) -> dict[str, Any]:
         """Metadata of one real buffer; `MissingBufferError` (says why, what to use) if the layer lacks it."""
         loc, t = self.buffer_location(layer_id, buffer), self.buffer(layer_id, buffer)
-        return {
-            "layer_id": layer_id,
-            "buffer": buffer,
-            "pool": loc.pool.name,
-            "pool_class": type(loc.pool).__name__,
-            "local_layer_id": loc.local_layer_id,
-            "shape": list(t.shape),
-            "dtype": str(t.dtype).removeprefix("torch."),
-            "bytes": t.numel() * t.element_size(),
-        }
+        return {"layer_id": layer_id, "buffer": buffer, "pool": loc.pool.name, "pool_class": type(loc.pool).__name__,
+                "local_layer_id": loc.local_layer_id, "shape": list(t.shape),
+                "dtype": str(t.dtype).removeprefix("torch."), "bytes": t.numel() * t.element_size()}
 
     def sub_pools_info(self) -> list[dict[str, Any]]:
         return [{"name": p.name, "class": type(p).__name__, "layer_ids": list(p.global_layer_ids),

@@ -26,8 +26,6 @@ from engine.runtime.stats import EngineStats
 from engine.runtime.stop import StopChecker
 from mem_cache import MiniMaxSparseKVPool
 
-ABORT_WAITING = "Abort in waiting queue"
-
 
 class Engine:
     def __init__(self, args: EngineArgs) -> None:
@@ -139,7 +137,7 @@ class Engine:
         for rid, everything in aborts:
             targets = self._rids.group.get(rid, [rid])  # (an n > 1 request: all its samples)
             for req in [r for r in self._scheduler.requests() if everything or r.rid in targets]:
-                message = ABORT_WAITING if req.kv is None else "Aborted by request."
+                message = "Abort in waiting queue" if req.kv is None else "Aborted by request."
                 self._end(req, {"type": "abort", "message": message, "status_code": None})
 
     def _end(self, req: Req, reason: dict, error: str | None = None, cache: bool = True) -> None:
@@ -158,8 +156,7 @@ class Engine:
             offset += len(ids)
         logits = self._runner.forward(batch, self._kv.table, rows)
         for req, plan in zip(batch.reqs, plans):
-            if plan.targets or plan.null_first:
-                record_prompt(req, plan, logits)  # reported with the request's next output
+            record_prompt(req, plan, logits)  # (if any: reported with the request's next output)
         return self._sample([r for r, _ in sampling], take_rows(logits, [i for _, i in sampling]),
                             batch.steady) if sampling else None
 
@@ -231,7 +228,7 @@ class Engine:
     # ---- state (any thread) and maintenance (the engine thread) -----------------------------------
     def stats(self) -> EngineStats:
         s, kv = self._scheduler, self._kv
-        return EngineStats(len(s.running), len(s.waiting), kv.size, kv.used_slots(), kv.free_slots(),
+        return EngineStats(len(s.running), len(s.waiting), kv.size, kv.size - kv.free_slots(), kv.free_slots(),
                            kv.evictable_slots(), kv.cached_slots(), self.pool.total_bytes(),
                            self._runner.graphs.ready(), dict(kv.hit_tokens),
                            kv.hicache.info() if kv.hicache else None)
