@@ -14,8 +14,9 @@
 Writes docs/benchmarks/gpu.json and prints it with the ratios against the targets. A section that fails is
 recorded with its error and the rest still run. Sections named on the command line run alone; three run only when
 named: `cpu_small_batch` (bench/small_batch.py on the host's CPU), and two experiments for the next design step:
-`startup_phases` (a start's seconds by phase) and `compiled_capture` (the step compiled by inductor, then captured
-by our own CUDA graphs, against the eager step's capture: compile and capture seconds, replay ms, logits' agreement).
+`startup_phases` (a start's seconds by phase) and `compiled_capture` (--enable-torch-compile: the step compiled by
+inductor, then captured, against the eager step's capture: ready seconds cold and warm, replay ms and kernels, steps,
+greedy tokens; the mid-size model compiled: its ready seconds and roofline fraction).
 """
 
 from __future__ import annotations
@@ -326,7 +327,7 @@ def hbm_read_bandwidth() -> float:
     return x.numel() * 2 / statistics.median(times)
 
 
-def midsize() -> dict:
+def midsize(compiled: bool = False) -> dict:
     work = Path(tempfile.mkdtemp())
     cfg = json.loads((TINY / "config.json").read_text())
     cfg.update(MID)
@@ -334,7 +335,7 @@ def midsize() -> dict:
     (work / "config.json").write_text(json.dumps(cfg))
     t = time.perf_counter()
     e = engine(work, graphs=True, load_format="dummy", skip_tokenizer_init=True, max_total_tokens=64 * 1024,
-               cuda_graph_max_bs=64, max_running_requests=64)
+               cuda_graph_max_bs=64, max_running_requests=64, enable_torch_compile=compiled)
     ready = time.perf_counter() - t
     m = e._runner.model
     total = sum(p.numel() * p.element_size() for p in m.parameters())
@@ -393,41 +394,28 @@ def startup_phases() -> dict:
 
 
 def compiled_capture() -> dict:
-    """The step compiled once by inductor (batch and keys dynamic; no CUDA-graph trees) and captured by the engine's
-    own CudaGraphs, against the eager step's capture as served: compile and capture seconds, one replay's ms, the
-    logits' agreement. Decides whether fused kernels pay for their compile (the step is ~1,000 small kernels)."""
-    from engine.model.forward_batch import DecodeBatch
-    from engine.runtime.cuda_graph import CudaGraphs
-    from engine.runtime.decode_graph import decode_step
-
-    buckets = (1, 2, 64)
-    e = engine(TINY, graphs=True, cuda_graph_bs=list(buckets))
-    r, g = e._runner, e._runner.graphs
-    keys = g.key_buckets[:2]
-    t = time.perf_counter()
-    g._cuda.capture()  # (again, timed: the eager step's capture of these graphs)
-    out: dict = {"eager_capture_s": round(time.perf_counter() - t, 2),
-                 "eager_replay_ms": {rows: replay_ms(e, rows) for rows in buckets}}
-    compiled = torch.compile(decode_step, dynamic=True, fullgraph=True)
-    mine = CudaGraphs(lambda b: compiled(r.model, r.pool, b), buckets, keys, r.device)
-    t = time.perf_counter()
-    with torch.no_grad():
-        for k in keys:  # (every shape compiled before capture: no compile inside a capture)
-            for rows in buckets:
-                compiled(r.model, r.pool, mine.view(rows, k))
-    torch.cuda.synchronize()
-    out["compile_s"] = round(time.perf_counter() - t, 1)
-    t = time.perf_counter()
-    mine.capture()
-    out["capture_s"] = round(time.perf_counter() - t, 2)
-    out["compiled_replay_ms"] = {rows: graph_ms(mine.graphs[(rows, keys[0])]) for rows in buckets}
-    n, dev = keys[0], r.device  # (a batch of random tokens over random slots, every key visible)
-    batch = DecodeBatch(torch.randint(2, 4000, (64,), device=dev), torch.full((64,), n - 1, device=dev),
-                        torch.arange(1, 65, device=dev), torch.randint(1, 60000, (64, n), device=dev))
-    same = mine.run(batch, 64, keys[0]), g._cuda.run(batch, 64, keys[0])
-    out["max_abs_logit_diff_64"] = float((same[0] - same[1]).abs().max())
-    out["compiled_over_eager_replay"] = {rows: _ratio(out["compiled_replay_ms"][rows], out["eager_replay_ms"][rows])
-                                         for rows in buckets}
+    """--enable-torch-compile (the step compiled by inductor, then captured by our CUDA graphs) against the eager
+    step's capture as served, configs/tiny: seconds to ready (compile and capture; then again, the saved graphs
+    loaded: the warm start), one replay's ms and kernels, steady steps at 1 and 64 rows, the same greedy tokens; and
+    the mid-size model compiled (its ready seconds and fraction of the roofline: the `midsize` section's, eager)."""
+    out: dict = {}
+    tokens = {}
+    for name, compiled in (("eager", False), ("compiled", True), ("compiled_again", True)):
+        t = time.perf_counter()
+        e = engine(TINY, graphs=True, cuda_graph_bs=[1, 2, 64], enable_torch_compile=compiled)
+        out[name] = {"ready_s": round(time.perf_counter() - t, 1), "graphs": e._runner.graphs.info(),
+                     "profile": {rows: kernel_profile(e, rows) for rows in (1, 64)},
+                     "rows1_greedy_ms": decode_steps(e, 1, 64, 0.0)["step_ms"],
+                     "rows64_greedy_ms": decode_steps(e, 64, 64, 0.0)["step_ms"]}
+        params = SamplingParams.from_dict({"max_new_tokens": 64, "temperature": 0.0, "ignore_eos": True})
+        e.add_requests([NewRequest(prompt(7, 300, 4000), params)])
+        tokens[name] = [tok for _ in iter(e.has_work, False) for o in e.step() for tok in o.new_ids]
+        del e
+        torch.cuda.empty_cache()
+    out["same_greedy_tokens"] = tokens["eager"] == tokens["compiled"] == tokens["compiled_again"]
+    out["compiled_over_eager"] = {k: _ratio(out["compiled"][k], out["eager"][k])
+                                  for k in ("rows1_greedy_ms", "rows64_greedy_ms")}
+    out["midsize_compiled"] = midsize(compiled=True)
     return out
 
 

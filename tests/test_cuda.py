@@ -47,20 +47,24 @@ def test_bf16_cuda_smoke_against_fp32(cpu_logits):
     assert top1 > 0.9 and kl < 0.05, (top1, kl)
 
 
-def test_captured_decode_on_cuda_matches_eager():
-    """Our own CUDA graphs (one per batch and key bucket) against the same step eager, fp32: 80 greedy tokens
-    from a 300-token prompt cross the block boundary at 320 and the key bucket 320 -> 512."""
+@pytest.mark.parametrize("compiled", [False, True])
+def test_captured_decode_on_cuda_matches_eager(compiled):
+    """Our own CUDA graphs (one per batch and key bucket) of the eager step, or of the compiled one
+    (--enable-torch-compile), against the step eager, fp32: 80 greedy tokens from a 300-token prompt cross the block
+    boundary at 320 and the key bucket 320 -> 512."""
     prompt = PROMPT[:300]
     eager = make_engine(device="cuda", dtype="float32", model_path=TINY, load_format="auto")
     graphs = make_engine(device="cuda", dtype="float32", model_path=TINY, load_format="auto",
-                         disable_cuda_graph=False, cuda_graph_bs=[1, 4])
+                         disable_cuda_graph=False, cuda_graph_bs=[1, 4], enable_torch_compile=compiled)
     graphs.warm_up()
     assert graphs.stats().captured_batch_sizes == (1, 4)
     info = graphs._runner.graphs.info()
-    assert info["graphs"] == 2 * len(info["key_buckets"]) and info["replays"] == 0
+    assert info["graphs"] == 2 * len(info["key_buckets"]) and info["replays"] == 0 and info["compiled"] == compiled
     want, got = solo(eager, prompt, **GREEDY), solo(graphs, prompt, **GREEDY)
     assert got.output_ids == want.output_ids
-    assert graphs._runner.graphs.info()["replays"] >= 79  # (every decode step, none eager)
+    info = graphs._runner.graphs.info()
+    assert info["replays"] >= 79 and info["eager_steps"] == 0  # (every decode step)
+    assert info["guard_misses"] == info["compiles_since_warm_up"] == 0, info
     assert graphs.check_integrity()
 
 

@@ -22,6 +22,7 @@ from hf_models import build_hf_model
 
 from engine.model.forward_batch import DecodeBatch
 from engine.model.loader import load_model
+from engine.runtime.cuda_graph import CudaGraphs
 from engine.runtime.graph_passes import SUM_PIECE
 from tests.forward_utils import PagedModel, assert_captured_equals_eager
 from tests.server_utils import start_server
@@ -135,3 +136,21 @@ def test_warm_up_keeps_health_at_503_then_reports_the_buckets(tmp_path, tiny3):
         srv.terminate()
 
 
+
+
+def test_the_compiled_graphs_take_the_cuda_captures_static_inputs(paged):
+    """CUDA's captured step (`CudaGraphs`) hands its step leading views of one set of static buffers; with
+    --enable-torch-compile that step is these compiled graphs, whose guards must take those views (a strided key
+    table would fail them and run eager). Built on the CPU: the views, run through the CPU's graphs."""
+    static = CudaGraphs(paged.decode_step, (1, 4), (320, 1024), torch.device("cpu"))
+    for rows, n in ((1, 320), (4, 320), (4, 1024), (1, 1024)):
+        batch = static.view(rows, n)
+        for dst, src in zip((batch.input_ids, batch.positions, batch.out_cache_loc, batch.key_slots),
+                            (torch.full((rows,), 5), torch.full((rows,), n - 1), torch.arange(rows) + 1,
+                             (torch.arange(rows * n) % 4000 + 1).view(rows, n))):
+            dst.copy_(src)
+        with torch.compiler.set_stance("fail_on_recompile"):
+            captured = paged.runner.graphs.run(batch)
+        assert (captured - paged.decode_step(batch)).abs().max().item() < 1e-5
+    info = paged.runner.graphs.info()
+    assert info["guard_misses"] == info["eager_steps"] == 0 and info["compiled"], info

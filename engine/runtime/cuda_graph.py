@@ -30,13 +30,16 @@ class CudaGraphs:
         self.replays = 0
 
     def view(self, rows: int, keys: int) -> DecodeBatch:
-        """The static inputs of the graph for (rows, keys): leading slices of the largest buffers."""
+        """The static inputs of the graph for (rows, keys): leading slices of the largest buffers (the key table's
+        contiguous, as a compiled step's guards want it)."""
         i = self.inputs
-        return DecodeBatch(i.input_ids[:rows], i.positions[:rows], i.out_cache_loc[:rows], i.key_slots[:rows, :keys])
+        return DecodeBatch(i.input_ids[:rows], i.positions[:rows], i.out_cache_loc[:rows],
+                           i.key_slots.view(-1)[:rows * keys].view(rows, keys))
 
     @torch.no_grad()
-    def capture(self) -> None:
-        """Record every (batch, keys) graph, the largest first (the shared pool is sized by it), on a side stream.
+    def capture(self, warm_each: bool = False) -> None:
+        """Record every (batch, keys) graph, the largest first (the shared pool is sized by it), on a side stream;
+        `warm_each`: each shape's step run once before its capture (a compiled step builds its kernels then).
         NOTE: one warm-up run before the first capture (lazy initializations happen there), and capture_begin /
         capture_end rather than `torch.cuda.graph`, which synchronizes, collects garbage and empties the cache
         around every capture: 84 graphs took 17.9 s that way (H200, configs/tiny). Each graph copies its logits into
@@ -49,6 +52,8 @@ class CudaGraphs:
             for keys in reversed(self.key_buckets):
                 for rows in reversed(self.buckets):
                     batch, graph = self.view(rows, keys), torch.cuda.CUDAGraph()
+                    if warm_each:
+                        self.step(batch)
                     graph.capture_begin(pool=pool)
                     try:
                         self.logits[:rows].copy_(self.step(batch))

@@ -4,7 +4,8 @@ A decode step is one function of the model, the KV pool and fixed-shape tensors 
 `DecodeBatch`) with no host sync inside. On CPU it is compiled by inductor ahead of time, twice: for batch 1,
 and with the batch size dynamic for every other bucket (the key length is dynamic in both); each graph is saved
 to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
-eager step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up. A batch
+step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up: the eager step,
+or with --enable-torch-compile the two compiled graphs, as on CPU (inductor's fused kernels; a compile). A batch
 is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
 largest bucket runs eager."""
 
@@ -56,27 +57,31 @@ def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeB
 
 class DecodeGraphs:
     def __init__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, buckets: tuple[int, ...],
-                 device: torch.device, min_keys: int, max_keys: int) -> None:
+                 device: torch.device, min_keys: int, max_keys: int, compile_cuda: bool = False) -> None:
         self.model, self.pool, self.buckets, self.device, self.min_keys = model, pool, buckets, device, min_keys
         self._compiled: set[int] = set()
         self.eager_steps, self._compiles_at_warm_up = 0, _compiles()  # (steps past the graphs; dynamo's graphs)
-        self.key_buckets = ()
+        self.key_buckets, self._one = (), None
         if not buckets:
             return
         if device.type == "cuda":
             top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
             self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
                                                 if max(min_keys, 1 << j >> 1) < top))
-            self._cuda = CudaGraphs(lambda b: decode_step(model, pool, b), buckets, self.key_buckets, device)
-            return
-        # NOTE: two graphs: batch 1 (static; its matrix-vector products as inductor's own sums, see graph_passes, which
-        # is imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, which saves the Python launch
+            self._cuda = CudaGraphs(self._cuda_step, buckets, self.key_buckets, device)
+            if not compile_cuda:
+                return
+        # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's own sums, see graph_passes,
+        # which is imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, which saves the Python launch
         # overhead of ~150 kernel calls (4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its
         # kernels run long enough, and it compiles ~20 s faster. The C++ wrapper is built apart from its kernels (the
         # wrapper at -O1): cold compile 80 -> 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
-        from engine.runtime.graph_passes import BatchOneForms
+        # On CUDA (--enable-torch-compile) both graphs as inductor makes them, then captured (SGLang's way).
+        one: dict = {}
+        if device.type == "cpu":
+            from engine.runtime.graph_passes import BatchOneForms
 
-        one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
+            one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
         self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
         self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
 
@@ -87,12 +92,12 @@ class DecodeGraphs:
 
     def info(self) -> dict:
         """What was captured, and how serving has used it (for /server_info)."""
-        cuda, cpu = (self.device.type == kind and bool(self.buckets) for kind in ("cuda", "cpu"))
+        cuda = self.device.type == "cuda" and bool(self.buckets)
         return {"batch_sizes": list(self.ready()), "key_buckets": list(self.key_buckets),
                 "graphs": len(self._cuda.graphs) if cuda else len({self._graph(b) for b in self._compiled}),
                 "replays": self._cuda.replays if cuda else None, "eager_steps": self.eager_steps,
-                # (steps run eager because a saved graph's guards refused them: 0 when all is well)
-                "guard_misses": sum(g.guard_misses for g in {self._one, self._many}) if cpu else 0,
+                "compiled": self._one is not None,  # (and the steps its guards refused, eager: 0 when all is well)
+                "guard_misses": sum(g.guard_misses for g in {self._one, self._many}) if self._one else 0,
                 "compiles_since_warm_up": _compiles() - self._compiles_at_warm_up}
 
     def ready(self) -> tuple[int, ...]:
@@ -102,16 +107,11 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= rows), None)
 
     def warm_up(self) -> None:
-        """Load or compile (on CUDA: capture) every bucket before serving; one log line per bucket."""
-        if self.buckets and self.device.type == "cuda":
-            t = time.perf_counter()
-            self._cuda.capture()
-            self._compiled.update(self.buckets)
-            logger.info("decode graphs: %d captured (batch %s x keys %s) in %.1f s", len(self._cuda.graphs),
-                        list(self.buckets), list(self.key_buckets), time.perf_counter() - t)
+        """Load or compile (CPU; CUDA with --enable-torch-compile) every bucket's graph, then on CUDA capture every
+        graph, before serving; one log line per bucket."""
         # NOTE: one compile after the other: the two graphs compiled side by side (batch 1 in a child process) made a
         # cold start slower, 94.7 / 94.6 s against 86.5 / 86.9 s (2 cores, configs/tiny, 2026-12-04)
-        for i, b in enumerate(self.buckets if self.device.type != "cuda" else ()):
+        for i, b in enumerate(self.buckets if self._one else ()):
             t = time.perf_counter()
             example = DecodeBatch.empty(b, self.min_keys, self.device)
             graph = self._graph(b)
@@ -120,6 +120,12 @@ class DecodeGraphs:
             self._compiled.add(b)
             logger.info("decode graph %d/%d: batch %d ready in %.1f s (%s)", i + 1, len(self.buckets), b,
                         time.perf_counter() - t, how)
+        if self.buckets and self.device.type == "cuda":
+            t = time.perf_counter()
+            self._cuda.capture(warm_each=self._one is not None)  # (a compiled step's kernels built before capture)
+            self._compiled.update(self.buckets)
+            logger.info("decode graphs: %d captured (batch %s x keys %s) in %.1f s", len(self._cuda.graphs),
+                        list(self.buckets), list(self.key_buckets), time.perf_counter() - t)
         self._compiles_at_warm_up = _compiles()
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
@@ -137,6 +143,10 @@ class DecodeGraphs:
         if cuda:
             return self._cuda.run(batch, b, keys)
         return self._call(b, pad(batch, b))[:rows]
+
+    def _cuda_step(self, batch: DecodeBatch) -> torch.Tensor:
+        """The step CUDA graphs capture: the compiled graph's (--enable-torch-compile), else the eager one."""
+        return self._call(len(batch.input_ids), batch) if self._one else decode_step(self.model, self.pool, batch)
 
     def _graph(self, b: int) -> PrecompiledStep:
         return self._one if b == 1 else self._many  # NOTE: a dimension of size 1 cannot be dynamic

@@ -28,6 +28,7 @@ class EngineArgs:
     disable_cuda_graph: bool = False  # decode eager instead of as captured graphs (inductor on CPU)
     cuda_graph_max_bs: int | None = None  # largest decode batch captured (None: max_running_requests, capped)
     cuda_graph_bs: list[int] | None = None  # the batch-size buckets (None: derived from cuda_graph_max_bs)
+    enable_torch_compile: bool = False  # CUDA: the decode step compiled (inductor) before capture (CPU: always)
     disable_overlap_schedule: bool = False  # CUDA: read each step's tokens back before launching the next
     num_threads: int = 0  # CPU threads (torch's); 0: torch's default less the cores others keep busy at start
     enable_hierarchical_cache: bool = False  # keep what the device's prefix cache evicts in host memory (and disk)

@@ -28,7 +28,7 @@ class ModelRunner:
         least = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)
         self.min_keys = -(-least // KEY_BUCKET) * KEY_BUCKET
         buckets = () if args.disable_cuda_graph else graph_buckets(args, self.device)
-        self.graphs = DecodeGraphs(model, pool, buckets, self.device, self.min_keys, max_keys)
+        self.graphs = DecodeGraphs(model, pool, buckets, self.device, self.min_keys, max_keys, args.enable_torch_compile)
         self._last: tuple | None = None  # the last decode step's (rows, positions)
         self._tokens: torch.Tensor | None = None  # the tokens sampled last
 

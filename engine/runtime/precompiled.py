@@ -46,7 +46,7 @@ def graph_key(kind: str, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> st
     """A hash of everything a compiled decode graph of `kind` depends on but its arguments' values."""
     p = next(model.parameters())
     facts = [torch.__version__, torch.backends.cpu.get_cpu_capability(), str(torch.get_num_threads()), kind,
-             repr(model.cfg), str(p.dtype), str(p.device),
+             repr(model.cfg), str(p.dtype), str(p.device), torch.cuda.get_device_name(p.device) if p.is_cuda else "",
              repr([(tuple(t.shape), t.dtype) for sub in pool.sub_pools() for t in sub.tensors()])]
     files = sorted(f for s in _SOURCES for f in ([_ROOT / s] if s.endswith(".py") else (_ROOT / s).glob("*.[pch]*"))
                    if f.suffix in (".py", ".c", ".h"))
@@ -90,8 +90,11 @@ class PrecompiledStep:
         torch.compiler.assume_constant_result(moe_experts.built)  # (whether the MoE kernel is built: not traced)
         fn = torch.compile(self.step, fullgraph=True, options=dict(self.options)).aot_compile(
             ((model, pool, marked), {}))
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fn.save_compiled_function(str(self.path))  # (written apart, then renamed: processes may race)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fn.save_compiled_function(str(self.path))  # (written apart, then renamed: processes may race)
+        except Exception as e:  # (serving goes on; a later start compiles again)
+            logger.warning("%s could not be saved (%s): a later start compiles it again", self.path.name, e)
         fn.disable_guard_check()
         self._fn = fn
         return "compiled"
