@@ -88,6 +88,7 @@ GATHER_ROWS = 16
 
 
 @functools.cache
+@torch.compiler.assume_constant_result  # (a compiled step takes the answer as a constant: nothing traced)
 def _hopper_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 

@@ -5,8 +5,6 @@ graph is captured at warm-up, so nothing is recorded while serving. NOTE: captur
 seconds for all buckets, against ~50 s a graph to compile with inductor (H200, configs/tiny).
 """
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 from collections.abc import Callable

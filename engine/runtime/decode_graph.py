@@ -9,8 +9,6 @@ or with --enable-torch-compile the two compiled graphs, as on CPU (inductor's fu
 is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
 largest bucket runs eager."""
 
-from __future__ import annotations
-
 import dataclasses
 import logging
 import sys
@@ -20,7 +18,7 @@ import torch
 
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
-from engine.runtime.cuda_graph import CudaGraphs
+from engine.runtime.cuda_graph import CudaGraphs, Step
 from engine.runtime.engine_args import EngineArgs
 from engine.runtime.precompiled import PrecompiledStep, store_path
 from mem_cache import MiniMaxSparseKVPool
@@ -61,29 +59,28 @@ class DecodeGraphs:
         self.model, self.pool, self.buckets, self.device, self.min_keys = model, pool, buckets, device, min_keys
         self._compiled: set[int] = set()
         self.eager_steps, self._compiles_at_warm_up = 0, _compiles()  # (steps past the graphs; dynamo's graphs)
-        self.key_buckets, self._one = (), None
+        self.key_buckets, self._one, self._many = (), None, None
         if not buckets:
             return
-        if device.type == "cuda":
-            top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
-            self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
-                                                if max(min_keys, 1 << j >> 1) < top))
-            self._cuda = CudaGraphs(self._cuda_step, buckets, self.key_buckets, device)
-            if not compile_cuda:
-                return
         # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's own sums, see graph_passes,
         # which is imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, which saves the Python launch
         # overhead of ~150 kernel calls (4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its
         # kernels run long enough, and it compiles ~20 s faster. The C++ wrapper is built apart from its kernels (the
         # wrapper at -O1): cold compile 80 -> 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
         # On CUDA (--enable-torch-compile) both graphs as inductor makes them, then captured (SGLang's way).
-        one: dict = {}
-        if device.type == "cpu":
-            from engine.runtime.graph_passes import BatchOneForms
+        if device.type == "cpu" or compile_cuda:
+            one: dict = {}
+            if device.type == "cpu":
+                from engine.runtime.graph_passes import BatchOneForms
 
-            one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
-        self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
-        self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
+                one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
+            self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
+            self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
+        if device.type == "cuda":
+            top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
+            self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
+                                                if max(min_keys, 1 << j >> 1) < top))
+            self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
 
     def key_width(self, need: int) -> int:
         """The key-table width of a step whose longest row needs `need` keys: its key bucket."""
@@ -144,16 +141,21 @@ class DecodeGraphs:
             return self._cuda.run(batch, b, keys)
         return self._call(b, pad(batch, b))[:rows]
 
-    def _cuda_step(self, batch: DecodeBatch) -> torch.Tensor:
-        """The step CUDA graphs capture: the compiled graph's (--enable-torch-compile), else the eager one."""
-        return self._call(len(batch.input_ids), batch) if self._one else decode_step(self.model, self.pool, batch)
-
     def _graph(self, b: int) -> PrecompiledStep:
         return self._one if b == 1 else self._many  # NOTE: a dimension of size 1 cannot be dynamic
 
     @torch.no_grad()  # NOTE: always: the graphs are compiled under no_grad
     def _call(self, b: int, batch: DecodeBatch) -> torch.Tensor:
         return self._graph(b)(self.model, self.pool, batch)
+
+
+def captured_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, one: PrecompiledStep | None,
+                  many: PrecompiledStep | None) -> Step:
+    """The step CUDA graphs capture: the compiled graphs' (--enable-torch-compile), else the eager one. NOTE: a
+    closure over these, not over DecodeGraphs: a cycle would keep a deleted engine's GPU memory until a collection."""
+    if one is None:
+        return lambda b: decode_step(model, pool, b)
+    return lambda b: (one if len(b.input_ids) == 1 else many)(model, pool, b)
 
 
 def _compiles() -> int:

@@ -17,8 +17,6 @@ against checked on every call, A/B in one engine: a step at batch 1 1.79 vs 1.90
 13.0 ms, at 64 rows no difference.
 """
 
-from __future__ import annotations
-
 import dataclasses
 import hashlib
 import logging
