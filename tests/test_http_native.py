@@ -228,7 +228,7 @@ def test_16b_flush_cache_is_refused_while_requests_run(srv, client):
     async def run() -> tuple[int, httpx.Response]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=60) as c:
             task = asyncio.ensure_future(c.post("/generate", json={"text": "busy", "sampling_params": {
-                **GREEDY, "max_new_tokens": 60}}))
+                **GREEDY, "max_new_tokens": 400}}))  # (~2 s eager: 60 tokens took 0.29 s, under the sleep)
             await asyncio.sleep(0.3)
             flush = await c.post("/flush_cache")
             return flush.status_code, await task
