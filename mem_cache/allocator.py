@@ -1,7 +1,5 @@
 """Token-slot allocator: the free list of KV-cache slots."""
 
-from __future__ import annotations
-
 import torch
 
 from mem_cache.errors import PoolExhaustedError

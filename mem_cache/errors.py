@@ -1,8 +1,6 @@
 """Exceptions of the token pools: builtin subclasses, so generic callers catch broadly while the HTTP layer maps
 the precise class (exhausted -> retract/503, layer id -> 404, missing buffer -> 409, unknown buffer name -> 400)."""
 
-from __future__ import annotations
-
 
 class PoolExhaustedError(MemoryError):
     """Not enough free slots for an allocation. Callers should ask `can_alloc(n)` first."""

@@ -2,8 +2,6 @@
 optional disk tier of fixed-size pages. Written against the pool's capability API alone: the host rows hold every
 (layer, buffer) `layers_with` names, so a layer kind this file has never seen needs nothing new here."""
 
-from __future__ import annotations
-
 import contextlib
 import hashlib
 import logging

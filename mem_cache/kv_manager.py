@@ -2,8 +2,6 @@
 allocatable slot is, at any time, exactly one of: free (in the allocator), held by the radix tree, or owned by one
 live request. The scheduler asks (`can_admit`, `can_allocate`) then acts (`admit`, `allocate`, `release`)."""
 
-from __future__ import annotations
-
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field

@@ -1,7 +1,5 @@
 """Per-layer token-slot KV buffers: a K+V pool and a K-only pool (SGLang's `MHATokenToKVPool` style)."""
 
-from __future__ import annotations
-
 import torch
 
 from mem_cache.errors import KOnlyPoolError, LayerIdError

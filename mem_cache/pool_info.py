@@ -2,8 +2,6 @@
 `MiniMaxSparseKVPool`: metadata, never tensor contents (GET /pools..., http_api.md §6); generic code asks here
 first, so it never has to catch an exception to learn what a layer lacks."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import MappingProxyType

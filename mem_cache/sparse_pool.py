@@ -1,7 +1,5 @@
 """`MiniMaxSparseKVPool`: the parent KV pool every caller talks to (main + index-KV + index-K-only)."""
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 
 import torch

@@ -5,8 +5,6 @@ On the first SIGTERM/SIGINT: /health turns 503 and new generations get 503 at on
 with finish_reason abort); only then does uvicorn close its listeners and connections. The process exits 0.
 A second SIGINT forces uvicorn's immediate exit."""
 
-from __future__ import annotations
-
 import asyncio
 import logging
 import signal

@@ -1,7 +1,5 @@
 """`create_app(state)`: the FastAPI app, its error envelopes, API-key check, body limit and lifespan."""
 
-from __future__ import annotations
-
 import asyncio
 import hmac
 import logging

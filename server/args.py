@@ -1,7 +1,5 @@
 """Server flags (SGLang's names where they exist): the engine's (EngineArgs) plus the server's own."""
 
-from __future__ import annotations
-
 import argparse
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path

@@ -8,8 +8,6 @@ the pools hold more threads than there are CPUs its workers stop spin-waiting be
 each region pays a futex wake-up: a model built on the main thread and stepped on this one ran every
 small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
 
-from __future__ import annotations
-
 import asyncio
 import logging
 import threading

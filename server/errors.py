@@ -1,7 +1,5 @@
 """The two error envelopes: native `{"error": {"message"}}` and OpenAI's flat ErrorResponse (/v1/*)."""
 
-from __future__ import annotations
-
 import json
 
 from fastapi import Request

@@ -2,8 +2,6 @@
 counters and histograms fed on the event loop; scheduler and pool gauges read from the engine at scrape time
 (plain ints and list lengths: safe to read from the loop thread)."""
 
-from __future__ import annotations
-
 import time
 from collections import deque
 from dataclasses import dataclass

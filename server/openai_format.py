@@ -1,8 +1,6 @@
 """OpenAI requests <-> engine: the response models (the shapes OpenAI's clients parse), the chat prompt; finish
 fields and both logprob formats as pure functions over deltas and joined outputs (bodies and chunks alike)."""
 
-from __future__ import annotations
-
 import uuid
 from typing import Any, Literal
 

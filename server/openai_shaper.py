@@ -2,8 +2,6 @@
 its whole response (`response`), as NativeShaper does for /generate. The route parses, checks and
 submits; `respond` streams or collects."""
 
-from __future__ import annotations
-
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any

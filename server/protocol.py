@@ -2,8 +2,6 @@
 400, never coerced), unknown keys ignored like SGLang's, one readable message per shape check instead of
 pydantic's per-union-branch list. Sampling parameters stay a dict: `SamplingParams.from_dict` validates them."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from pydantic import BaseModel, StrictBool, StrictInt, StrictStr, field_validator

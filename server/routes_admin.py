@@ -3,8 +3,6 @@ aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3); the 
 (§6). NOTE: counts are read from the event-loop thread while the engine thread runs; they are plain ints, so a
 reading is at worst one step old."""
 
-from __future__ import annotations
-
 import asyncio
 import logging
 import time

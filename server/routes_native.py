@@ -2,8 +2,6 @@
 info, pool and utility routes of `server.routes_admin`. `plan_generate` makes the engine's requests of a
 /generate body (the engine validates the values, and duplicate rids), `NativeShaper` its bodies and frames."""
 
-from __future__ import annotations
-
 import json
 import logging
 import math

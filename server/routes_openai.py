@@ -1,8 +1,6 @@
 """OpenAI-compatible routes: /v1/models, /v1/completions, /v1/chat/completions (http_api.md §3). Every request
 is parsed, tokenized and submitted before a response starts, so bad input is a 400 even for `stream: true`."""
 
-from __future__ import annotations
-
 import uuid
 from typing import Any, TypeVar
 

@@ -1,7 +1,5 @@
 """What every route needs, reachable as `request.app.state.server` (no module-level globals)."""
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass, field
 from typing import Any

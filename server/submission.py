@@ -2,8 +2,6 @@
 every generation route goes. However the request ends (done, client gone, error, shutdown), whatever has not
 finished is aborted; `SSEResponse` guarantees that for streams."""
 
-from __future__ import annotations
-
 import asyncio
 import logging
 import time

@@ -7,8 +7,6 @@ machines would have it): clearing that cache clears it too. Built with the compi
 $CC), with OpenMP: the library then shares the OpenMP runtime torch has loaded, so its threads are torch's
 (torch.set_num_threads holds)."""
 
-from __future__ import annotations
-
 import ctypes
 import functools
 import getpass

@@ -4,8 +4,6 @@ CPU and float32 only (`on_kernel` says whether it runs here): moe_experts.c grou
 the kernel, so there is no host sync and a compiled graph calls it as it is. Elsewhere MoE.forward keeps its
 PyTorch forms."""
 
-from __future__ import annotations
-
 import ctypes
 import functools
 from pathlib import Path

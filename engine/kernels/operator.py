@@ -8,8 +8,6 @@ call that does nothing, 2 threads. A decode step past batch 1 makes 17 such call
 one engine, 1.01-1.07x at 8 rows and 1.01-1.03x at 32. The ops are for inference only: no autograd formula.
 """
 
-from __future__ import annotations
-
 from collections.abc import Callable
 
 import torch

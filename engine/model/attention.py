@@ -3,8 +3,6 @@ extend (one `Segment` per request) and for a fixed-shape decode step (`DecodeBat
 through slot indices (a cached prefix and fresh tokens alike), after the caller has written this step's into the pool.
 """
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

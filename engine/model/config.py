@@ -1,8 +1,6 @@
 """Model configuration: one frozen dataclass that validates itself (every error names the field).
 engine/model/config_json.py reads it from either config.json shape."""
 
-from __future__ import annotations
-
 import math
 from dataclasses import dataclass
 

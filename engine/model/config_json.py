@@ -4,8 +4,6 @@
   `layer_types`, `mlp_layer_types` and `rope_parameters`.
 Either may be wrapped in a multimodal config's `text_config`."""
 
-from __future__ import annotations
-
 import json
 import logging
 import math

@@ -1,8 +1,6 @@
 """The lightning indexer's block scores and top-k block selection (model.md §3.2-§3.3). Extend and decode call the
 same two functions, so every path selects identically; both are fixed-shape tensor code with no host sync."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

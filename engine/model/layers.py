@@ -2,8 +2,6 @@
 are stored in the fused layout the forward pass wants (gate|up fused, experts as 3-D tensors); loader.py converts
 both checkpoint layouts into it."""
 
-from __future__ import annotations
-
 import functools
 
 import torch

@@ -3,8 +3,6 @@
 Missing, unexpected, mis-shaped and unsupported (quantized) tensors fail with a message naming them.
 """
 
-from __future__ import annotations
-
 import json
 import logging
 import math

@@ -2,8 +2,6 @@
 yields q, k, v and, on sparse layers, the indexer's q, k (and the index value); one fused output projection maps
 [attention | index value] back to the hidden size."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 from torch import nn

@@ -2,8 +2,6 @@
 checkpoint tensors (with the shape the config implies for each) and how to combine them into one of our fused
 parameters; each parameter has one recipe per layout, and the loader takes the first whose tensors are all present."""
 
-from __future__ import annotations
-
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial

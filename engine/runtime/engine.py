@@ -5,8 +5,6 @@ Overlapped (CUDA; SGLang's overlap schedule), a steady decode step is launched b
 back, so the host's work on them runs while the device computes; a request that a read-back token ends (EOS, a stop)
 has one more token computed ahead, dropped. On CPU a step computes as it is launched: overlap would only delay it."""
 
-from __future__ import annotations
-
 import random
 import threading
 import uuid

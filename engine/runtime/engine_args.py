@@ -1,7 +1,5 @@
 """Engine settings, named after SGLang's server flags (see architecture.md)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 from mem_cache.hicache import WRITE_POLICIES

@@ -11,8 +11,6 @@ thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms on
 interleaved. Inductor's own decompose_mm_pass does this too, but also rewrites batch-1 bmm, whose sums over the
 key length then guard it."""
 
-from __future__ import annotations
-
 from typing import Any
 
 import torch

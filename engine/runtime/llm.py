@@ -1,8 +1,6 @@
 """Offline API: `LLM(model_path).generate(prompts_or_ids, sampling)` on top of the continuous-batching
 engine. Results come back in input order, shaped like the native /generate response."""
 
-from __future__ import annotations
-
 from pathlib import Path
 from typing import Any
 

@@ -1,8 +1,6 @@
 """Logprobs from the model's raw distribution (before temperature, penalties and bias: SGLang's default),
 and which logits rows of a step score which prompt tokens."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass
 
 import torch

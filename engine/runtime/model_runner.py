@@ -2,8 +2,6 @@
 eager) or, when every request feeds one token, a fixed-shape decode step (`DecodeBatch`), run by a
 captured graph when one covers its batch size; logits come back for the rows the caller asks for."""
 
-from __future__ import annotations
-
 import torch
 import torch.nn.functional as F
 

@@ -12,8 +12,6 @@ drawn, the token id), so a seeded request gets the same tokens wherever it sits 
 in a fixed number of tensor operations (an unseeded request gets a random seed at admission).
 """
 
-from __future__ import annotations
-
 from collections.abc import Sequence
 from typing import Any
 

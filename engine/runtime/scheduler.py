@@ -2,8 +2,6 @@
 all running requests decode together; retraction when slots run out; abort anywhere. No model, no tensors:
 every slot question and action goes to `KVCacheManager`, whose `check_integrity` holds after every step."""
 
-from __future__ import annotations
-
 from collections import deque
 from dataclasses import dataclass
 from typing import Any

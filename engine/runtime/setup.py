@@ -1,7 +1,5 @@
 """Build what an engine needs from EngineArgs: device and dtype, model, tokenizer, KV pool and manager."""
 
-from __future__ import annotations
-
 import hashlib
 import logging
 import os

@@ -1,7 +1,5 @@
 """A snapshot of the engine's state: what the server, metrics and load reports read (never the scheduler)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 

@@ -1,8 +1,6 @@
 """Finishing a request: EOS and stop token ids, stop strings matched on detokenized text (across token
 boundaries), max_new_tokens and the context length; and the text that is safe to release so far."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from engine.runtime.sampling_params import SamplingParams
