@@ -135,4 +135,7 @@ def test_a_full_batch_with_a_queue_behind_it_still_overlaps():
     rids = [submit(engine, p, **params)[0] for p in prompts]
     got = run_all(engine)
     assert sum(launched) >= 30  # (two waves of 20 tokens, ~17 steady steps each)
-    assert [got[r].output_ids for r in rids] == [solo(make_engine(), p, **params).output_ids for p in prompts]
+    assert engine.decode_graphs()["overlapped_steps"] == sum(launched)  # (what /server_info reports)
+    plain = make_engine()
+    assert [got[r].output_ids for r in rids] == [solo(plain, p, **params).output_ids for p in prompts]
+    assert plain.decode_graphs()["overlapped_steps"] == 0

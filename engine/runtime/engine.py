@@ -46,6 +46,7 @@ class Engine:
         self._touched: dict[str, Req] = {}
         self._overlap = self._runner.device.type == "cuda" and not args.disable_overlap_schedule
         self._pending: tuple | None = None  # the last step's (requests, logprob layout, ids or table to the host, event)
+        self.overlapped_steps = 0  # (steps launched before the last one's tokens were read back)
 
     @property
     def pool(self) -> MiniMaxSparseKVPool:
@@ -119,6 +120,7 @@ class Engine:
         self._drain_inbox()
         if not (self._overlap and self._scheduler.steady_next()):
             self._read_back()  # (the next step needs every request as it is)
+        self.overlapped_steps += self._pending is not None
         batch = self._scheduler.next_batch()
         launched = self._run(batch) if batch is not None else None
         self._read_back()  # (overlapped: the last step's tokens, while the device computes this one)
@@ -232,8 +234,8 @@ class Engine:
                            kv.hicache.info() if kv.hicache else None)
 
     def decode_graphs(self) -> dict:
-        """The captured decode graphs, and how many steps replayed them or missed them (for /server_info)."""
-        return self._runner.graphs.info()
+        """The captured decode graphs, how many steps replayed them or missed them, and overlapped (/server_info)."""
+        return self._runner.graphs.info() | {"overlapped_steps": self.overlapped_steps}
 
     def flush_cache(self) -> bool:
         """Drop the prefix cache; refused (False) while requests run or wait."""
