@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from engine_utils import TINY
 from orig_checkpoint import make_config, random_state_dict, write_checkpoint
+from test_decode_static import _Kernels
 from test_parity_transformers import Ours, prompt_logits
 
 from engine.model.attention import sparse_attend
 from engine.model.indexer import block_masks, select_blocks
+from engine.model.loader import load_model
+from tests.forward_utils import PagedModel
 
 
 @pytest.fixture(scope="module")
@@ -99,3 +103,25 @@ def test_sparse_attention_equals_masked_dense_reference():
         s = (q.view(t, n_kv, group, d)[:, h] @ k[:, h].T) * d ** -0.5  # [T, G, N]
         want = torch.softmax(s.masked_fill(~allowed[:, None], float("-inf")), -1) @ v[:, h]
         assert (got[:, h] - want).abs().max().item() < 1e-5
+
+
+def test_an_extend_adds_one_kernel_a_request_and_attention_and_reads_nothing_back():
+    """An extend step's kernels (counted as test_decode_static counts a decode step's) grow by one a request per
+    attention call (its SDPA: the keys of all the requests gathered at once, the outputs joined by one cat) and one
+    for its slots; and a prefill past the top-k budget (selection runs, in chunks of queries) reads nothing back to
+    the host (`.item()`: on a GPU a sync each, which stops the host from queuing the step's kernels ahead)."""
+    model = load_model(TINY)
+    kinds = model.cfg.layer_kinds
+    calls = len(kinds) + kinds.count("sparse_index_kv")  # (the index-value branch attends too)
+
+    def counted(prompts: list[list[int]]) -> _Kernels:
+        paged = PagedModel(model, size=sum(map(len, prompts)) + 64, max_requests=len(prompts))
+        kvs = [paged.kv.admit([]) for _ in prompts]
+        with torch.no_grad(), _Kernels() as k:
+            paged.step(kvs, prompts)
+        return k
+
+    four, eight = (counted([[7 + i] * 64 for i in range(r)]) for r in (4, 8))
+    assert eight.kernels() - four.kernels() <= 4 * (calls + 1), (four.kernels(), eight.kernels())
+    long = counted([list(range(10, 710)), [5] * 40])
+    assert "topk" in long.ops and "_local_scalar_dense" not in long.ops

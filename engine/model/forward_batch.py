@@ -49,6 +49,13 @@ class ForwardBatch:
     positions: torch.Tensor  # [T_total] int64
     out_cache_loc: torch.Tensor  # [T_total] int64
     segments: list[Segment]
+    _slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def slots_of(self, idx: tuple[int, ...]) -> torch.Tensor:
+        """The key slots of segments `idx`, end to end (made once a step: every layer gathers its keys by them)."""
+        if idx not in self._slots:
+            self._slots[idx] = torch.cat([self.segments[i].slots for i in idx])
+        return self._slots[idx]
 
     @classmethod
     def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,
