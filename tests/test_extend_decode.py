@@ -9,6 +9,7 @@ from orig_checkpoint import make_config, random_state_dict, write_checkpoint
 from test_decode_static import _Kernels
 from test_parity_transformers import Ours, prompt_logits
 
+from engine.model import attention
 from engine.model.attention import sparse_attend
 from engine.model.indexer import block_masks, select_blocks
 from engine.model.loader import load_model
@@ -122,6 +123,21 @@ def test_an_extend_adds_one_kernel_a_request_and_attention_and_reads_nothing_bac
         return k
 
     four, eight = (counted([[7 + i] * 64 for i in range(r)]) for r in (4, 8))
-    assert eight.kernels() - four.kernels() <= 4 * (calls + 1), (four.kernels(), eight.kernels())
+    assert eight.kernels() - four.kernels() <= 4 * (calls + 1), (four.kernels(), eight.kernels())  # (exactly, today)
     long = counted([list(range(10, 710)), [5] * 40])
     assert "topk" in long.ops and "_local_scalar_dense" not in long.ops
+
+
+def test_requests_gathered_in_runs_give_the_logits_of_one_gather(monkeypatch):
+    """An extend's dense attention gathers its requests' keys in runs of at most GATHER_KEYS (requests sharing a long
+    cached prefix would otherwise each copy it at once): runs of one request give the same logits as one run."""
+    model = load_model(TINY)
+    prompts = [[(7 * j + i) % 3000 + 20 for j in range(n)] for i, n in enumerate((90, 300, 12, 64))]
+
+    def logits() -> list[torch.Tensor]:
+        paged = PagedModel(model, size=1024, max_requests=4)
+        return paged.step([paged.kv.admit([]) for _ in prompts], prompts)
+
+    together = logits()
+    monkeypatch.setattr(attention, "GATHER_KEYS", 1)  # (every request a run of its own)
+    assert all(torch.equal(a, b) for a, b in zip(together, logits()))

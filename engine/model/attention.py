@@ -14,6 +14,9 @@ from mem_cache import MiniMaxSparseKVPool
 
 # Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
 QUERY_CHUNK = 256
+# Keys an extend's dense attention gathers at once (requests in runs up to it; a longer one alone): requests that share
+# a long cached prefix each gather their own copy of it (64 on a 65k-token prefix: ~2 GB at once for configs/tiny).
+GATHER_KEYS = 16384
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
@@ -95,8 +98,9 @@ def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Forw
     scale = cfg.head_dim ** -0.5
     # (dense-equivalent: with at most K blocks of keys, all are selected; see _decode)
     dense = tuple(i for i, s in enumerate(segs) if kind == "dense" or s.num_keys <= cfg.topk_blocks * cfg.block_size)
-    o = dict(zip(dense, _causal_sdpa(q, k_buf, v_buf, [segs[i] for i in dense], batch.slots_of(dense), scale)
-                 if dense else ()))
+    o: dict[int, torch.Tensor] = {}
+    for run in _runs(dense, segs):
+        o.update(zip(run, _causal_sdpa(q, k_buf, v_buf, [segs[i] for i in run], batch.slots_of(run), scale)))
     for i in (i for i in range(len(segs)) if i not in o):  # (block-sparse: past the top-k budget)
         o[i] = _sparse_segment(layer_id, q[segs[i].start:segs[i].end], iq[segs[i].start:segs[i].end], segs[i], pool,
                                cfg).view(segs[i].queries, q.shape[1], -1)
@@ -104,9 +108,20 @@ def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Forw
     if kind != "sparse_index_kv":
         return out, None
     ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)  # index-value branch: dense causal over the whole history (§4)
-    every = tuple(range(len(segs)))
-    u = _causal_sdpa(iq, ik_buf, iv_buf, segs, batch.slots_of(every), cfg.index_head_dim ** -0.5)
+    u: list[torch.Tensor] = []
+    for run in _runs(tuple(range(len(segs))), segs):
+        u += _causal_sdpa(iq, ik_buf, iv_buf, [segs[i] for i in run], batch.slots_of(run), cfg.index_head_dim ** -0.5)
     return out, torch.cat(u).reshape(q.shape[0], -1)
+
+
+def _runs(idx: tuple[int, ...], segs: list[Segment]) -> list[tuple[int, ...]]:
+    """Segments `idx` in consecutive runs whose keys sum to at most GATHER_KEYS (a longer segment alone)."""
+    runs, run, keys = [], (), 0
+    for i in idx:
+        if run and keys + segs[i].num_keys > GATHER_KEYS:
+            runs, run, keys = runs + [run], (), 0
+        run, keys = run + (i,), keys + segs[i].num_keys
+    return runs + [run] if run else runs
 
 
 def _sparse_segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor, seg: Segment, pool: MiniMaxSparseKVPool,
