@@ -63,6 +63,7 @@ class Submission:
 
     async def collect(self, request: Request) -> list[JoinedOutput]:
         """Every sequence's joined result; ClientGone (after aborting them) if the client leaves first."""
+        self._channel.quiet = True  # (no reader per step: the deltas wait in the channel for a finish)
 
         async def drain() -> None:
             async for _ in self.outputs():

@@ -13,9 +13,9 @@ import httpx
 import pytest
 from engine_utils import make_engine
 
-from engine.runtime.request import LogprobOptions, NewRequest
+from engine.runtime.request import LogprobOptions, NewRequest, RequestOutput
 from engine.runtime.sampling_params import SamplingParams
-from server.async_engine import AsyncEngine, EngineDeadError
+from server.async_engine import AsyncEngine, Channel, EngineDeadError
 from tests.http_utils import generate, stream
 from tests.server_utils import live_server
 
@@ -236,3 +236,33 @@ def test_an_engine_that_cannot_recover_ends_every_request_and_stops():
     outs, alive, in_flight = asyncio.run(main())
     assert not alive and in_flight == 0
     assert all(o.finished and o.finish_reason["status_code"] == 500 and "device lost" in o.error for o in outs)
+
+
+def test_a_result_reader_wakes_at_a_finish_or_a_full_queue_not_at_every_delta():
+    """A non-streaming reader (`Channel.quiet`) is not woken by each step's delta, only by a sequence's finish or a
+    queue about to merge, and then reads every delta in order; a streaming reader gets each as it comes."""
+    def out(i: int, finished: bool = False) -> RequestOutput:
+        return RequestOutput("r", [i], str(i), None, i + 1, 3, 0, finished, {"type": "length"} if finished else None)
+
+    async def delivered(quiet: bool, limit: int = 64) -> list[list[int]]:
+        """What the reader has read after each of six deltas (the last one finished) was put."""
+        channel, got, seen = Channel(limit), [], []
+        channel.quiet = quiet
+
+        async def reader() -> None:
+            while True:
+                got.append((await channel.get())[1].new_ids[0])
+
+        task = asyncio.ensure_future(reader())
+        await asyncio.sleep(0)  # (the reader waits)
+        for i in range(6):
+            channel.put_nowait(0, out(i, finished=i == 5))
+            for _ in range(3):  # (a woken reader runs)
+                await asyncio.sleep(0)
+            seen.append(list(got))
+        task.cancel()
+        return seen
+
+    assert asyncio.run(delivered(False)) == [list(range(i + 1)) for i in range(6)]
+    assert asyncio.run(delivered(True)) == [[]] * 5 + [list(range(6))]
+    assert asyncio.run(delivered(True, limit=3)) == [[], [], [0, 1, 2], [0, 1, 2], [0, 1, 2], list(range(6))]
