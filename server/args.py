@@ -7,7 +7,8 @@ from typing import Any
 
 from engine.runtime.engine_args import EngineArgs
 
-INT_OR_NONE = ("max_total_tokens", "context_length", "kv_cache_bytes", "max_new_tokens_cap", "cuda_graph_max_bs")
+INT_OR_NONE = ("max_total_tokens", "context_length", "kv_cache_bytes", "max_new_tokens_cap", "cuda_graph_max_bs",
+               "chunked_prefill_size")
 
 
 @dataclass

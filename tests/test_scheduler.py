@@ -108,3 +108,12 @@ def test_abort_waiting_and_running_frees_slots_at_once():
     assert engine.check_integrity() and not engine.has_work()
     st = engine.stats()
     assert st.free_tokens + st.cached_tokens == 1000 and st.evictable_tokens == st.cached_tokens  # nothing locked
+
+
+def test_the_default_prefill_budget_is_2048_tokens_a_step_on_cpu():
+    """--chunked-prefill-size left out: 2048 tokens a step on CPU (on CUDA 8192, SGLang's for a large GPU): a
+    2,100-token prompt samples its first token in its second step."""
+    engine = make_engine(max_total_tokens=4096)
+    submit(engine, [(7 * i) % 3000 + 20 for i in range(2100)], max_new_tokens=1, temperature=0)
+    tokens = [sum(len(o.new_ids) for o in engine.step()) for _ in range(2)]
+    assert tokens == [0, 1] and engine.args.chunked_prefill_size is None

@@ -32,7 +32,8 @@ class Engine:
         self.cfg = model.cfg
         self.max_total_len = min(self.context_len, self._kv.size)
         self._runner = ModelRunner(model, pool, args, self.max_total_len)
-        self._scheduler = Scheduler(self._kv, args.max_running_requests, args.chunked_prefill_size)
+        chunk = args.chunked_prefill_size or (8192 if self._runner.device.type == "cuda" else 2048)
+        self._scheduler = Scheduler(self._kv, args.max_running_requests, chunk)
         self._sampler = Sampler()
         self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.limits = Limits(self.cfg.vocab_size, self.context_len, self._kv.size, args.max_new_tokens_cap,

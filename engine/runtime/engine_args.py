@@ -18,7 +18,7 @@ class EngineArgs:
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from the byte budget
     kv_cache_bytes: int | None = None  # KV pool byte budget; None: 512 MiB on CPU, mem_fraction_static on CUDA
     mem_fraction_static: float = 0.8
-    chunked_prefill_size: int = 2048
+    chunked_prefill_size: int | None = None  # None: 2048 on CPU, 8192 on CUDA (SGLang's for an 80-140 GB GPU)
     page_size: int = 1
     disable_radix_cache: bool = False
     random_seed: int = 0
