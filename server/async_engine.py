@@ -9,6 +9,7 @@ each region pays a futex wake-up: a model built on the main thread and stepped o
 small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
 
 import asyncio
+import gc
 import logging
 import threading
 import time
@@ -50,9 +51,7 @@ class Channel:
         self.limit = limit
         self._items: deque[tuple[int, RequestOutput]] = deque()
         self._ready = asyncio.Event()
-        # a reader that wants only the result: woken at a finish or a full queue, not at every step. NOTE: 64 stubbed
-        # requests x 256 tokens, each step's 64 wake-ups were ~18% of a request's latency (0.20 -> 0.17 s)
-        self.quiet = False
+        self.quiet = False  # a result-only reader: woken at a finish or a full queue, not each step (-18% latency)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -117,6 +116,7 @@ class AsyncEngine:
         self._go.set()
         self.engine.wake()
         self._thread.join(timeout=10)
+        gc.unfreeze()  # (what the warm-up froze is the collector's again: an embedding process goes on)
         while self._calls:
             done = self._calls.popleft()[1]
             if done.set_running_or_notify_cancel():
@@ -138,6 +138,10 @@ class AsyncEngine:
             self.engine.warm_up()
         except Exception:
             logger.exception("decode graph warm-up failed: decoding eager")
+        # NOTE: startup's heap out of the collector's full passes, which scanned it all: a 160-175 ms pause, the engine
+        # stopped, about once a burst of 64 requests x 256 tokens (bench/simulated_gpu.py: a 2 ms-a-step device)
+        gc.collect()
+        gc.freeze()
         self.warming = False
         while not self._stop.is_set():
             work = self.engine.wait_for_work()

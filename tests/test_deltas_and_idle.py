@@ -5,6 +5,7 @@ wakes on the last request's end (no poll either)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import time
@@ -149,6 +150,7 @@ def test_the_idle_engine_thread_blocks_until_a_submission_wakes_it():
             for _ in range(3):
                 await asyncio.sleep(0.5)  # idle: the thread sits in one call
                 seen.append(len(calls))
+                assert gc.get_freeze_count() > 0  # (startup's heap out of the collector's full passes: no pause)
                 _, channel = ae.submit([NewRequest([5, 6, 7], SamplingParams(max_new_tokens=1))])
                 await asyncio.wait_for(channel.get(), timeout=30)
         finally:
@@ -156,6 +158,7 @@ def test_the_idle_engine_thread_blocks_until_a_submission_wakes_it():
         return seen
 
     seen = asyncio.run(main())
+    assert gc.get_freeze_count() == 0  # (unfrozen at stop)
     assert all(t is None for t in calls), calls
     assert seen[0] == 1 and seen[1] - seen[0] <= 3 and seen[2] - seen[1] <= 3, seen
 
