@@ -269,9 +269,9 @@ def start(log: Path) -> tuple[subprocess.Popen, float]:
     raise RuntimeError("no /health 200 within 300 s")
 
 
-async def load(clients: int, new: int, temperature: float) -> dict:
+async def load(clients: int, new: int, temperature: float, port: int = PORT) -> dict:
     """`clients` concurrent clients, one /generate each (256 new tokens): tokens/s over the wall time."""
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{PORT}", timeout=600,
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
                                  limits=httpx.Limits(max_connections=clients + 8)) as c:
         async def one(i: int) -> int:
             r = await c.post("/generate", json={"input_ids": prompt(1000 + i, 128, 4000), "sampling_params": {

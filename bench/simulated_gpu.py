@@ -84,24 +84,6 @@ def offline(clients: int, new: int) -> float:
     return clients / statistics.median(times[len(times) // 4:])
 
 
-async def burst(port: int, clients: int, new: int, temperature: float) -> float:
-    """Tokens/s of `clients` requests sent at once to /generate (non-streaming), over the wall time."""
-    import httpx
-
-    from bench.workload import prompt
-
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
-                                 limits=httpx.Limits(max_connections=clients + 8)) as c:
-        async def one(i: int) -> int:
-            r = await c.post("/generate", json={"input_ids": prompt(1000 + i, 128, 4000), "sampling_params": {
-                "max_new_tokens": new, "temperature": temperature, "ignore_eos": True}})
-            return r.json()["meta_info"]["completion_tokens"] if r.status_code == 200 else 0
-
-        t = time.perf_counter()
-        made = await asyncio.gather(*(one(i) for i in range(clients)))
-        return sum(made) / (time.perf_counter() - t)
-
-
 def healthy(port: int, srv: subprocess.Popen) -> None:
     import httpx
 
@@ -132,6 +114,8 @@ def main() -> None:
         sys.exit(serve(["--port", str(a.serve), "--load-format", "dummy", "--disable-cuda-graph",
                         "--max-running-requests", str(a.clients), "--max-total-tokens",
                         str(a.clients * (128 + a.new + 64)), "--log-level", "warning", *rest]))
+    from bench.gpu import load  # (the GPU check's burst of clients, here against the stand-in device)
+
     torch.set_num_threads(1)
     out: dict = {"step_ms": a.step_ms, "extend_ms": a.extend_ms, "offline_tok_s": round(offline(a.clients, a.new))}
     port = 31998
@@ -140,7 +124,7 @@ def main() -> None:
     try:
         healthy(port, srv)
         # (greedy only: a temperature's sampling would run on this CPU, where on a GPU it is device time)
-        runs = [asyncio.run(burst(port, a.clients, a.new, 0.0)) for _ in range(a.runs)]
+        runs = [asyncio.run(load(a.clients, a.new, 0.0, port))["tok_s"] for _ in range(a.runs)]
         out["server_tok_s"] = [round(r) for r in runs]  # (the first: a fresh server's first traffic)
         out["server_first_over_offline"] = round(runs[0] / out["offline_tok_s"], 3)
         out["server_median_over_offline"] = round(statistics.median(runs) / out["offline_tok_s"], 3)
