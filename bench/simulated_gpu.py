@@ -16,14 +16,10 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def install(step_s: float, extend_s: float) -> None:
@@ -62,43 +58,6 @@ def install(step_s: float, extend_s: float) -> None:
     engine_mod.Engine.__init__ = overlapped
 
 
-def offline(clients: int, new: int) -> float:
-    """Tokens/s of the steady decode steps of `clients` requests (the target's baseline)."""
-    from bench.workload import prompt
-    from engine.runtime.engine import Engine
-    from engine.runtime.engine_args import EngineArgs
-    from engine.runtime.request import NewRequest
-    from engine.runtime.sampling_params import SamplingParams
-
-    e = Engine(EngineArgs(load_format="dummy", disable_cuda_graph=True, max_running_requests=clients,
-                          max_total_tokens=clients * (128 + new + 64)))
-    params = SamplingParams.from_dict({"max_new_tokens": new, "temperature": 0.0, "ignore_eos": True})
-    e.add_requests([NewRequest(prompt(i, 128, 4000), params) for i in range(clients)])
-    times = []
-    while e.has_work():
-        steady = e.stats().num_running == clients and e.stats().num_waiting == 0
-        t = time.perf_counter()
-        e.step()
-        if steady:
-            times.append(time.perf_counter() - t)
-    return clients / statistics.median(times[len(times) // 4:])
-
-
-def healthy(port: int, srv: subprocess.Popen) -> None:
-    import httpx
-
-    for _ in range(600):
-        if srv.poll() is not None:
-            raise RuntimeError("the server exited")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise RuntimeError("no /health 200 within 120 s")
-
-
 def main() -> None:
     p = argparse.ArgumentParser(prog="python -m bench.simulated_gpu")
     p.add_argument("--step-ms", type=float, default=2.0)
@@ -109,28 +68,31 @@ def main() -> None:
     p.add_argument("--serve", type=int, default=0, help=argparse.SUPPRESS)  # (the server's own process: its port)
     a, rest = p.parse_known_args()
     install(a.step_ms / 1e3, a.extend_ms / 1e3)
-    if a.serve:
+    pool = ["--max-running-requests", str(a.clients), "--max-total-tokens", str(a.clients * (128 + a.new + 64))]
+    if a.serve:  # (live_server gives the port, the model, dummy weights and --disable-cuda-graph)
         from server.__main__ import main as serve
-        sys.exit(serve(["--port", str(a.serve), "--load-format", "dummy", "--disable-cuda-graph",
-                        "--max-running-requests", str(a.clients), "--max-total-tokens",
-                        str(a.clients * (128 + a.new + 64)), "--log-level", "warning", *rest]))
-    from bench.gpu import load  # (the GPU check's burst of clients, here against the stand-in device)
+        sys.exit(serve([*rest, *pool, "--log-level", "warning"]))
+    from bench.gpu import (  # (the GPU check's offline steps and burst, on the stand-in device)
+        decode_steps,
+        load,
+    )
+    from engine.runtime.engine import Engine
+    from engine.runtime.engine_args import EngineArgs
+    from tests.server_utils import live_server
 
     torch.set_num_threads(1)
-    out: dict = {"step_ms": a.step_ms, "extend_ms": a.extend_ms, "offline_tok_s": round(offline(a.clients, a.new))}
-    port = 31998
-    srv = subprocess.Popen([sys.executable, "-m", "bench.simulated_gpu", *sys.argv[1:], "--serve", str(port)], cwd=ROOT,
-                           env=os.environ | {"OMP_NUM_THREADS": "1"})
-    try:
-        healthy(port, srv)
+    e = Engine(EngineArgs(load_format="dummy", disable_cuda_graph=True, max_running_requests=a.clients,
+                          max_total_tokens=a.clients * (128 + a.new + 64)))
+    out: dict = {"step_ms": a.step_ms, "extend_ms": a.extend_ms,
+                 "offline_tok_s": round(decode_steps(e, a.clients, a.new, 0.0)["tok_s"])}
+    os.environ["OMP_NUM_THREADS"] = "1"  # (the server's process)
+    with live_server("--serve", "1", *sys.argv[1:], module="bench.simulated_gpu") as srv:
+        port = int(srv.url.rsplit(":", 1)[1])
         # (greedy only: a temperature's sampling would run on this CPU, where on a GPU it is device time)
         runs = [asyncio.run(load(a.clients, a.new, 0.0, port))["tok_s"] for _ in range(a.runs)]
         out["server_tok_s"] = [round(r) for r in runs]  # (the first: a fresh server's first traffic)
         out["server_first_over_offline"] = round(runs[0] / out["offline_tok_s"], 3)
         out["server_median_over_offline"] = round(statistics.median(runs) / out["offline_tok_s"], 3)
-    finally:
-        srv.terminate()
-        srv.wait(30)
     print(json.dumps(out, indent=1))
 
 
