@@ -101,9 +101,10 @@ def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Forw
     o: dict[int, torch.Tensor] = {}
     for run in _runs(dense, segs):
         o.update(zip(run, _causal_sdpa(q, k_buf, v_buf, [segs[i] for i in run], batch.slots_of(run), scale)))
-    for i in (i for i in range(len(segs)) if i not in o):  # (block-sparse: past the top-k budget)
-        o[i] = _sparse_segment(layer_id, q[segs[i].start:segs[i].end], iq[segs[i].start:segs[i].end], segs[i], pool,
-                               cfg).view(segs[i].queries, q.shape[1], -1)
+    for i, seg in enumerate(segs):
+        if i not in o:  # (block-sparse: past the top-k budget)
+            o[i] = _sparse_segment(layer_id, q[seg.start:seg.end], iq[seg.start:seg.end], seg, pool,
+                                   cfg).view(seg.queries, q.shape[1], -1)
     out = torch.cat([o[i] for i in range(len(segs))]).reshape(q.shape[0], -1)
     if kind != "sparse_index_kv":
         return out, None
