@@ -7,10 +7,8 @@ from mem_cache.errors import PoolExhaustedError
 
 class TokenSlotAllocator:
     """Hands out token slots `1 .. size` of the KV pools (a slot addresses one token in every buffer of every layer).
-
-    NOTE: the buffers have `size + 1` rows (SGLang's layout, page size 1); slot 0, the padding slot, is never
-    handed out, so padded writes (a decode graph's unused rows) can target it without corrupting anyone.
-    """
+    NOTE: the buffers have `size + 1` rows (SGLang's layout, page size 1); slot 0, the padding slot, is never handed
+    out, so padded writes (a decode graph's unused rows) can target it without corrupting anyone."""
 
     def __init__(self, size: int, device: str | torch.device = "cpu", keep_sorted: bool = True) -> None:
         if size <= 0:
@@ -34,9 +32,8 @@ class TokenSlotAllocator:
         if n < 0:
             raise ValueError(f"TokenSlotAllocator.alloc: n must be >= 0, got {n}")
         if n > self._free.numel():
-            raise PoolExhaustedError(
-                f"TokenSlotAllocator: asked for {n} token slots but only {self.available_size()} of "
-                f"{self.size} are free (call can_alloc() first; evict or retract)")
+            raise PoolExhaustedError(f"TokenSlotAllocator: asked for {n} token slots but only {self._free.numel()} of "
+                                     f"{self.size} are free (call can_alloc() first; evict or retract)")
         slots, self._free = self._free[:n], self._free[n:]
         self._allocated[slots] = True
         return slots
@@ -65,9 +62,8 @@ class TokenSlotAllocator:
         # NOTE: the free list stays sorted, so a request's slots come out consecutive whenever the
         # pool allows it, and a long prefill reads its K/V as a view instead of gathering. (A host tier's slots
         # are only copied: it skips the sort, a CPU sort of its whole free list at every free.)
-        self._free = torch.cat([self._free, slots])
-        if self.keep_sorted:
-            self._free = torch.sort(self._free).values
+        free = torch.cat([self._free, slots])
+        self._free = torch.sort(free).values if self.keep_sorted else free
 
     def is_allocated(self, slots: torch.Tensor) -> bool:
         """Whether every slot of `slots` is currently handed out."""

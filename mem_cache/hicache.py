@@ -79,8 +79,7 @@ class DiskStore:
 
     def __init__(self, directory: str, fingerprint: str, host: HostKVPool) -> None:
         self.dir, self.host, self.writable = Path(directory), host, True
-        self.seed = hashlib.sha256(fingerprint.encode()).digest()
-        self.page_bytes = PAGE * host.bytes_per_token
+        self.seed, self.page_bytes = hashlib.sha256(fingerprint.encode()).digest(), PAGE * host.bytes_per_token
         try:
             self.dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -45,11 +45,10 @@ class ReqToTokenPool:
         self._free.append(row)
 
     def write(self, parts: Sequence[tuple[int, int, int]], slots: torch.Tensor, steady: bool = False) -> None:
-        """For each (request slot, start, n) in turn, `req_to_token[row, start:start + n]` = the next n of `slots`.
-        `steady`: the last write's rows, each one position further (a decode step after one over the same requests):
-        its index is the last one plus one, on the device (no index built from a Python list: a host-to-device copy
-        a step). NOTE: one scatter for all parts: a decode step's writes 15 / 32 / 56 us at 1 / 32 / 64 rows, against
-        10 / 250 / 640 us row by row (2 threads)."""
+        """For each (row, start, n), `req_to_token[row, start:start + n]` = the next n of `slots`. `steady`: the last
+        write's rows, each a position further (a decode step after one of the same requests): its index is the last plus
+        one, on the device (no index from a Python list: a host-to-device copy a step). NOTE: one scatter for all parts:
+        a decode step's writes 15 / 32 / 56 us at 1 / 32 / 64 rows, vs 10 / 250 / 640 us row by row (2 threads)."""
         if steady:
             assert self._last_index is not None and len(parts) == self._last_index.numel(), "not the last write's rows"
             index = self._last_index + 1
@@ -83,9 +82,8 @@ class ReqToTokenPool:
 
 @dataclass(eq=False)
 class ReqKV:
-    """One live request's KV (change it only through the manager). Its slots live in one place, its row of the
-    req_to_token table: positions [0, num_computed); the first `cached` are the radix tree's (shared, locked
-    through `node`), the rest the request's own."""
+    """One live request's KV (changed only by the manager). Its slots live in one place, its req_to_token row: positions
+    [0, num_computed); the first `cached` are the radix tree's (shared, locked through `node`), the rest its own."""
 
     row: int  # the request's row of the req_to_token table
     node: TreeNode
@@ -103,8 +101,7 @@ class KVCacheManager:
         if hicache is not None and disable_radix_cache:
             raise ValueError("the hierarchical cache keeps the prefix cache's evictions: it needs the radix cache on")
         self.allocator = TokenSlotAllocator(size, device)
-        self.req_to_token = ReqToTokenPool(max_requests, context_len, device)
-        self.hicache = hicache
+        self.req_to_token, self.hicache = ReqToTokenPool(max_requests, context_len, device), hicache
         self.radix = RadixCache(self.allocator, disable_radix_cache, hicache.save if hicache else None)
         self._live: set[ReqKV] = set()
         self.hit_tokens = Counter(device=0, host=0, disk=0, miss=0)  # prefix tokens per tier found, by released reqs
@@ -188,8 +185,7 @@ class KVCacheManager:
         if not self.can_allocate(total):
             raise PoolExhaustedError(f"KVCacheManager: {total} slots asked, {self.room()} free or evictable "
                                      "(ask can_allocate() first)")
-        if total > self.allocator.available_size():
-            self.radix.evict(total - self.allocator.available_size())
+        self.radix.evict(total - self.allocator.available_size())  # (a no-op unless short of free slots)
         slots = self.allocator.alloc(total)
         self.req_to_token.write([(kv.row, kv.num_computed, n) for kv, n in parts], slots, steady)
         for kv, n in parts:
@@ -204,13 +200,12 @@ class KVCacheManager:
         if not cache:
             self.radix.dec_lock_ref(kv.node)
             self.allocator.free(self.slots(kv)[kv.cached:])
-            self.req_to_token.free(kv.row)
-            return
-        if kv.num_computed > kv.cached:  # (not one admitted and given back before it ran)
-            self.hit_tokens.update(kv.found)
-        if self.hicache is not None and self.hicache.write_through:
-            self.hicache.save(list(token_ids), self.slots(kv))
-        self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node, kv.cached)  # (the tree clones what it keeps)
+        else:
+            if kv.num_computed > kv.cached:  # (not one admitted and given back before it ran)
+                self.hit_tokens.update(kv.found)
+            if self.hicache is not None and self.hicache.write_through:
+                self.hicache.save(list(token_ids), self.slots(kv))
+            self.radix.cache_finished_req(token_ids, self.slots(kv), kv.node, kv.cached)  # (it clones what it keeps)
         self.req_to_token.free(kv.row)
 
     def flush(self) -> bool:
@@ -227,8 +222,7 @@ class KVCacheManager:
         """free + owned by requests + held by the tree == size, no slot owned twice, one row per request."""
         assert self.allocator.check_integrity() and self.req_to_token.check_integrity()
         assert self.radix.check_integrity() and (self.hicache is None or self.hicache.check_integrity())
-        own = [self.slots(kv)[kv.cached:].to(torch.int64) for kv in self._live]
-        both = torch.cat([*own, self.radix.all_slots()])
+        both = torch.cat([*(self.slots(kv)[kv.cached:].to(torch.int64) for kv in self._live), self.radix.all_slots()])
         assert both.unique().numel() == both.numel(), "KVCacheManager: a slot is owned twice"
         total = self.allocator.available_size() + both.numel()
         assert total == self.size, f"KVCacheManager: slots leaked: free+owned+cached={total} != {self.size}"

@@ -99,12 +99,11 @@ class MHATokenToKOnlyPool(MHATokenToKVPool):
         self.check_layer(layer_id)
         gid = self.global_layer_ids[layer_id]
         return KOnlyPoolError(
-            f"{accessor}: global layer {gid} (local layer {layer_id} of MHATokenToKOnlyPool '{self.name}') "
-            "has no V buffer: MHATokenToKOnlyPool stores no V by design, its layers are score-only sparse "
-            "layers (sparse_disable_index_value set) whose index value is never read. Use "
-            f"get_key_buffer({layer_id}) on this pool, or get_index_k_buffer({gid}) on the parent "
-            "MiniMaxSparseKVPool, for the index keys; check has_value_buffer / "
-            "MiniMaxSparseKVPool.has_index_value_buffer(layer_id) before asking for V.")
+            f"{accessor}: global layer {gid} (local layer {layer_id} of MHATokenToKOnlyPool '{self.name}') has no V "
+            "buffer: MHATokenToKOnlyPool stores no V by design, its layers are score-only sparse layers "
+            f"(sparse_disable_index_value set) whose index value is never read. Use get_key_buffer({layer_id}) on "
+            f"this pool, or get_index_k_buffer({gid}) on the parent MiniMaxSparseKVPool, for the index keys; check "
+            "has_value_buffer / MiniMaxSparseKVPool.has_index_value_buffer(layer_id) before asking for V.")
 
     def get_value_buffer(self, layer_id: int) -> torch.Tensor:
         raise self._no_value("get_value_buffer", layer_id)

@@ -12,13 +12,10 @@ import torch
 from mem_cache.errors import MissingBufferError
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool, check_layer_id
 
-DENSE = "dense"
-SPARSE_INDEX_KV = "sparse_index_kv"
-SPARSE_K_ONLY = "sparse_k_only"
+DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY = "dense", "sparse_index_kv", "sparse_k_only"
 LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
 
-# Buffer names used by the introspection API and GET /pools/layers (http_api.md §6).
-BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")
+BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")  # the introspection API's (http_api.md §6)
 
 KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({
     DENSE: frozenset({"key", "value"}), SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
@@ -108,8 +105,7 @@ class SparsePoolInfoMixin:
 
     def layer_info(self, layer_id: int) -> dict[str, Any]:
         """One LayerInfo (http_api.md §6): kind, which buffers exist, where, their shapes, bytes/token."""
-        kind = self.layer_kind(layer_id)
-        routes = self._routes[layer_id]
+        kind, routes = self.layer_kind(layer_id), self._routes[layer_id]
         return {"layer_id": layer_id, "attention": "dense" if kind == DENSE else "sparse", "kind": kind,
                 "buffers": {b: routes[b] is not None for b in BUFFER_NAMES},
                 "locations": {b: r and {"pool": r.pool.name, "local_layer_id": r.local_layer_id}
@@ -141,13 +137,11 @@ class SparsePoolInfoMixin:
                  "bytes": p.total_bytes()} for p in self.sub_pools()]
 
     def _missing_buffer_error(self, layer_id: int, buffer: str) -> MissingBufferError:
-        kind = self.layer_kinds[layer_id]
-        owners = self.layers_with(buffer)
+        kind, owners = self.layer_kinds[layer_id], self.layers_with(buffer)
         tail = f"only layers {owners} have '{buffer}'." if owners else f"no layer of this model has '{buffer}'."
         if kind == SPARSE_K_ONLY:  # the only buffer a K-only layer lacks is index_value
-            msg = (f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K "
-                   "lives in MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the "
-                   f"index keys; {tail}")
+            msg = (f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K lives in "
+                   f"MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the index keys; {tail}")
         elif kind == DENSE:
             msg = (f"layer {layer_id} is a dense layer: it has no indexer, so it has only buffers 'key' and "
                    f"'value' (in {self.main_pool.name}). Use buffer 'key' / 'value' for its attention K/V; {tail}")
@@ -155,7 +149,6 @@ class SparsePoolInfoMixin:
             msg = f"layer {layer_id} ({kind}) has no buffer '{buffer}'; {tail}"
         return MissingBufferError(msg, layer_id, buffer)
 
-    # ---- self-check ----------------------------------------------------------------------------------
     def check_integrity(self) -> bool:
         """Every layer has the buffers of its kind, each routed to a local layer that maps back to it, with the
         shape, dtype and device the pool says; no V in a pool without V; `AssertionError` on the first fault."""

@@ -30,19 +30,17 @@ class TreeNode:
 
 
 class RadixCache:
-    """Prefix cache over the token-slot allocator, with reference counts and LRU eviction. A slot is owned by
-    exactly one of: the allocator (free), the tree, or one request. `match_prefix` hands out the tree's own slots;
-    the caller locks the returned node while it uses them (`inc_lock_ref`) and hands the request's KV over with
-    `cache_finished_req`, which also frees the request's slots for tokens the tree already holds. LRU time is a
-    logical clock (one tick per match or insert), so eviction order is deterministic. `disable=True` makes a cache
-    that holds nothing. `on_evict(token_ids, slots)` sees each evicted leaf's whole prefix (the root's tokens on)
-    before its slots are freed: a lower tier keeps a copy there."""
+    """Prefix cache over the token-slot allocator, with reference counts and LRU eviction. A slot is owned by exactly
+    one of: the allocator (free), the tree, or one request. `match_prefix` hands out the tree's own slots; the caller
+    locks the returned node while using them (`inc_lock_ref`) and hands the request's KV over with `cache_finished_req`,
+    which frees its slots for tokens the tree already holds. LRU time is a logical clock (one tick per match or insert),
+    so eviction order is deterministic. `disable=True`: a cache holding nothing. `on_evict(token_ids, slots)` sees each
+    evicted leaf's whole prefix (from the root) before its slots are freed, for a lower tier to copy."""
 
     def __init__(self, allocator: TokenSlotAllocator, disable: bool = False,
                  on_evict: Callable[[list[int], torch.Tensor], None] | None = None) -> None:
         self.allocator, self.disable, self.on_evict = allocator, disable, on_evict
-        self._clock = self._next_id = 0
-        self._evictable = self._protected = 0
+        self._clock = self._next_id = self._evictable = self._protected = 0
         self.root = self._node([], self._empty(), None)
 
     def total_size(self) -> int:
@@ -216,8 +214,7 @@ class RadixCache:
         return node, pos, values
 
     def _insert(self, tokens: list[int], slots: torch.Tensor) -> int:
-        """Insert `tokens`; return how many leading tokens were present. The slots of the newly inserted tokens now
-        belong to the tree."""
+        """Insert `tokens` (the new ones' slots become the tree's); return how many leading tokens were present."""
         node, pos, _ = self._descend(tokens, split_inside=False)
         if pos < len(tokens):
             node.children[tokens[pos]] = self._node(tokens[pos:], slots[pos:].clone(), node)

@@ -4,18 +4,9 @@ from collections.abc import Sequence
 
 import torch
 
+from mem_cache import pool_info
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
-from mem_cache.pool_info import (
-    BUFFER_NAMES,
-    DENSE,
-    LAYER_KINDS,
-    SPARSE_INDEX_KV,
-    SPARSE_K_ONLY,
-    BufferLocation,
-    SparsePoolInfoMixin,
-    elements_per_token,
-    validate_layer_kinds,
-)
+from mem_cache.pool_info import BufferLocation, SparsePoolInfoMixin, elements_per_token, validate_layer_kinds
 
 
 class MiniMaxSparseKVPool(SparsePoolInfoMixin):
@@ -26,8 +17,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     - `index_k_pool` (MHATokenToKOnlyPool, 1 x index_head_dim): index K of the `sparse_k_only` layers.
     (None where the model has no such layer.) Every accessor takes a GLOBAL layer id and routes to the sub-pool
     that owns the buffer; an index accessor for a layer outside its group raises `ValueError` naming the valid
-    layers (generic code asks `has_buffer` / `has_index_value_buffer` / `layer_info` first).
-    """
+    layers (generic code asks `has_buffer` / `has_index_value_buffer` / `layer_info` first)."""
 
     def __init__(self, size: int, dtype: torch.dtype, layer_kinds: Sequence[str], head_num: int, head_dim: int,
                  index_head_dim: int, device: str | torch.device = "cpu") -> None:
@@ -35,8 +25,8 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         self.num_layers = len(self.layer_kinds)
         self.size, self.dtype, self.device = size, dtype, torch.device(device)
         self.head_num, self.head_dim, self.index_head_dim = head_num, head_dim, index_head_dim
-        self.index_kv_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_INDEX_KV]
-        self.index_k_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == SPARSE_K_ONLY]
+        self.index_kv_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == pool_info.SPARSE_INDEX_KV]
+        self.index_k_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == pool_info.SPARSE_K_ONLY]
         self.main_pool = MHATokenToKVPool(size, dtype, head_num, head_dim, self.num_layers, self.device, "main_pool")
 
         def index_pool(cls: type[MHATokenToKVPool], ids: list[int], name: str) -> MHATokenToKVPool | None:
@@ -44,18 +34,17 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
 
         self.index_kv_pool = index_pool(MHATokenToKVPool, self.index_kv_layer_ids, "index_kv_pool")
         self.index_k_pool = index_pool(MHATokenToKOnlyPool, self.index_k_layer_ids, "index_k_pool")
-        # NOTE: _routes is the single source of truth for "which buffer of which layer lives where";
-        # every accessor and every introspection answer goes through it.
+        # NOTE: _routes alone says which buffer of which layer lives where: all accessors and introspection use it.
         self._routes = [self._build_routes(i) for i in range(self.num_layers)]
 
     def _build_routes(self, layer_id: int) -> dict[str, BufferLocation | None]:
         kind = self.layer_kinds[layer_id]
-        routes: dict[str, BufferLocation | None] = dict.fromkeys(BUFFER_NAMES)
+        routes: dict[str, BufferLocation | None] = dict.fromkeys(pool_info.BUFFER_NAMES)
         routes["key"] = routes["value"] = BufferLocation(self.main_pool, layer_id)
-        if kind == SPARSE_INDEX_KV and self.index_kv_pool is not None:
+        if kind == pool_info.SPARSE_INDEX_KV and self.index_kv_pool is not None:
             loc = BufferLocation(self.index_kv_pool, self.index_kv_layer_ids.index(layer_id))
             routes["index_key"] = routes["index_value"] = loc
-        elif kind == SPARSE_K_ONLY and self.index_k_pool is not None:
+        elif kind == pool_info.SPARSE_K_ONLY and self.index_k_pool is not None:
             routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_layer_ids.index(layer_id))
         return routes
 
@@ -81,7 +70,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
             return loc
         owners = self.layers_with(buffer)
         what = "an index key buffer" if buffer == "index_key" else "an index value buffer"
-        if self.layer_kinds[layer_id] == DENSE:
+        if self.layer_kinds[layer_id] == pool_info.DENSE:
             why, instead = "dense (no indexer, no index buffers)", f"get_kv_buffer({layer_id}) for its main K/V"
         else:
             why = "sparse_k_only (score-only sparse layer, sparse_disable_index_value set: no index V is stored)"
@@ -134,7 +123,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
 
     def bytes_per_token_by_kind(self) -> dict[str, int]:
         """Bytes per token of ONE layer of each kind present in this model (in LAYER_KINDS order)."""
-        first = {k: self.layer_kinds.index(k) for k in LAYER_KINDS if k in self.layer_kinds}
+        first = {k: self.layer_kinds.index(k) for k in pool_info.LAYER_KINDS if k in self.layer_kinds}
         return {k: self.layer_bytes_per_token(i) for k, i in first.items()}
 
     def total_bytes(self) -> int:

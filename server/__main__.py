@@ -1,9 +1,7 @@
-"""`python -m server`: take the port, build the engine, serve the app with uvicorn; SIGTERM drains.
-
-On the first SIGTERM/SIGINT: /health turns 503 and new generations get 503 at once; running requests get
-`--shutdown-grace-period` seconds to finish, the rest are aborted (their clients still receive a response
-with finish_reason abort); only then does uvicorn close its listeners and connections. The process exits 0.
-A second SIGINT forces uvicorn's immediate exit."""
+"""`python -m server`: take the port, build the engine, serve the app with uvicorn; SIGTERM drains. On the first
+SIGTERM/SIGINT /health turns 503 and new generations get 503 at once; running requests get `--shutdown-grace-period`
+seconds to finish, the rest are aborted (their clients still get a response, finish_reason abort); only then does
+uvicorn close its listeners and connections. The process exits 0. A second SIGINT forces uvicorn's immediate exit."""
 
 import asyncio
 import logging
@@ -29,9 +27,8 @@ class GracefulServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
-        self.state = state
+        self.state, self._draining = state, False
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._draining = False
 
     async def startup(self, sockets: list | None = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -63,9 +60,8 @@ class GracefulServer(uvicorn.Server):
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """Take the port before the model loads, so a port in use fails at once, naming it. NOTE: uvicorn binds the
-    port itself once this socket is closed (a socket handed to it resets connections that send a body past an
-    early response, e.g. a 413)."""
+    """Take the port before the model loads, so one in use fails at once, naming it. NOTE: uvicorn binds it itself once
+    this socket is closed (one handed to it resets connections sending a body past an early response, e.g. a 413)."""
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -89,8 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        sock = bind(args.host, args.port)
-        state = build_state(args)
+        sock, state = bind(args.host, args.port), build_state(args)
     except (ValueError, OSError) as e:  # port taken, bad flags, missing files, no tokenizer: exit non-zero
         logger.error("cannot start: %s", e)
         print(f"error: cannot start the server: {e}", file=sys.stderr)

@@ -31,8 +31,7 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> str:
     media = media_type(content_type)
     if media != "application/json" and not media.endswith("+json") and any(
             tuple(err.get("loc", ())) == ("body",) and isinstance(err.get("input"), bytes) for err in exc.errors()):
-        # NOTE: FastAPI hands a body of any other declared type to validation as raw bytes.
-        return not_json_message(content_type)
+        return not_json_message(content_type)  # NOTE: FastAPI validates a body of another declared type as raw bytes
     parts = []
     for err in exc.errors():
         loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
@@ -65,8 +64,7 @@ class BodyLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         scope.setdefault("state", {})["started"] = time.monotonic()  # the access log's latency
-        path = scope.get("path", "")
-        length = dict(scope.get("headers") or []).get(b"content-length")
+        path, length = scope.get("path", ""), dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(path, send)
         chunks, seen = [], 0
@@ -103,8 +101,7 @@ class ApiKeyAuth:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope.get("path", "") not in OPEN_PATHS:
-            given = dict(scope.get("headers") or []).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not hmac.compare_digest(dict(scope.get("headers") or []).get(b"authorization", b""), self.expected):
                 resp = error_response(scope.get("path", ""), 401, "Unauthorized: missing or wrong API key "
                                       "(send 'Authorization: Bearer <key>')")
                 return await resp(scope, receive, send)
@@ -158,8 +155,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(native_router)
     app.include_router(openai_router)
     document_request_bodies(app.openapi())  # NOTE: FastAPI caches the document: /openapi.json serves it amended
-    # NOTE: the last added runs first: CORS (preflights answered without the key), then the API key
-    # (no body is read for a client without it), then the body limit.
+    # NOTE: last added runs first: CORS (preflights need no key), the API key (no body read without it), the body limit.
     app.add_middleware(BodyLimit, limit=state.args.max_request_bytes)
     if state.args.api_key:
         app.add_middleware(ApiKeyAuth, key=state.args.api_key)

@@ -64,7 +64,6 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
             _add(p, f.name, getattr(server, f.name))
     p.add_argument("--enable-prompt-tokens-details", action="store_true", dest="enable_cache_report",
                    help="vLLM's name for --enable-cache-report")
-    ns = vars(p.parse_args(argv))
-    names = {f.name for f in fields(EngineArgs)}
+    ns, names = vars(p.parse_args(argv)), {f.name for f in fields(EngineArgs)}
     engine = EngineArgs(**{k: v for k, v in ns.items() if k in names})
     return ServerArgs(engine=engine, **{k: v for k, v in ns.items() if k not in names})

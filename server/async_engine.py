@@ -2,11 +2,10 @@
 validation's ValueError is the client's BadRequest) and opens one `Channel` for their samples; the engine thread
 sleeps until there is work, runs `Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
 
-NOTE: the engine thread is the only thread that runs torch: it builds the engine, warms it up and
-steps it. libgomp gives every thread that runs a parallel region an OpenMP pool of its own, and once
-the pools hold more threads than there are CPUs its workers stop spin-waiting between regions, so
-each region pays a futex wake-up: a model built on the main thread and stepped on this one ran every
-small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
+NOTE: the engine thread is the only one that runs torch: it builds the engine, warms it up and steps it. libgomp gives
+each thread running a parallel region an OpenMP pool of its own, and once the pools hold more threads than there are
+CPUs its workers stop spin-waiting between regions, so each region pays a futex wake-up: a model built on the main
+thread and stepped on this one ran every small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
 
 import asyncio
 import gc
@@ -42,10 +41,9 @@ def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
 
 
 class Channel:
-    """The outputs of one submission's sequences not yet read by its one reader, in arrival order, as
-    (sequence index, output). Past `limit` queued items a new output is merged into the last queued
-    one of its sequence (outputs are deltas: merging keeps everything), so at most `limit` + (number of
-    sequences) items are ever held."""
+    """The outputs of one submission's sequences not yet read by its one reader, in arrival order, as (sequence index,
+    output). Past `limit` queued items a new output is merged into the last queued one of its sequence (outputs are
+    deltas: merging keeps everything), so at most `limit` + (number of sequences) items are ever held."""
 
     def __init__(self, limit: int = MAX_BACKLOG) -> None:
         self.limit = limit
@@ -90,8 +88,7 @@ class AsyncEngine:
             if not self._stop.is_set():
                 self._run()
 
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=main, name="engine", daemon=True)
+        self._stop, self._thread = threading.Event(), threading.Thread(target=main, name="engine", daemon=True)
         self._thread.start()
         self.engine = built.result()
         self.max_sequences = max_sequences  # samples one submit may queue (--max-batch-size)

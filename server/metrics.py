@@ -1,6 +1,5 @@
-"""Prometheus metrics with SGLang's names (http_api.md §3 /metrics), in a registry of their own: request
-counters and histograms fed on the event loop; scheduler and pool gauges read from the engine at scrape time
-(plain ints and list lengths: safe to read from the loop thread)."""
+"""Prometheus metrics with SGLang's names (http_api.md §3 /metrics), own registry: request counters and histograms fed
+on the event loop; engine gauges (scheduler, pools) read at scrape time (plain ints and list lengths: loop-safe)."""
 
 import time
 from collections import deque
@@ -33,8 +32,7 @@ class Metrics:
     """All of the server's metrics; `render()` is the /metrics body."""
 
     def __init__(self, model_name: str, engine: Any) -> None:
-        self.model_name, self.engine = model_name, engine
-        self.registry = CollectorRegistry()
+        self.model_name, self.engine, self.registry = model_name, engine, CollectorRegistry()
         lab, reg = ["model_name"], self.registry
 
         def counter(name: str, doc: str) -> Any:
@@ -53,8 +51,7 @@ class Metrics:
         self.ttft = histogram("time_to_first_token_seconds", "time to first token in seconds.", TTFT_BUCKETS)
         self.itl = histogram("inter_token_latency_seconds", "inter-token latency in seconds.", ITL_BUCKETS)
         self.e2e = histogram("e2e_request_latency_seconds", "End-to-end request latency in seconds", E2E_BUCKETS)
-        # NOTE: the engine reports no admission time, so queue time is measured up to the first output
-        # (queueing + prefill), the closest the server can see.
+        # NOTE: no engine admission time: queue time runs up to the first output (queueing + prefill), the closest seen.
         self.queue_time = histogram("queue_time_seconds", "queueing time in seconds.", QUEUE_BUCKETS)
         reg.register(self)  # its collect() gives the engine gauges
         self._reqs: dict[str, _ReqTimes] = {}
@@ -83,7 +80,6 @@ class Metrics:
                     "pool_bytes": ("Allocated bytes of a KV sub-pool.", lambda p: p.total_bytes())}
         for name, (doc, fn) in per_pool.items():
             yield gauge(name, doc, {p.name: fn(p) for p in pool.sub_pools()}, "pool")
-        # the cache tiers: prefix tokens found in each and missed; with a host tier, bytes moved and its occupancy
         hits, host = st.hit_tokens, st.host_tier
         yield counter("cache_hit_tokens", "Prefix tokens found in a cache tier.",
                       {t: hits.get(t, 0) for t in ("device", "host", "disk")}, "tier")
@@ -97,8 +93,7 @@ class Metrics:
 
     # ---- feeding (event loop) ---------------------------------------------------------------------
     def on_submit(self, rids: list[str], now: float) -> None:
-        for rid in rids:
-            self._reqs[rid] = _ReqTimes(now)
+        self._reqs.update({rid: _ReqTimes(now) for rid in rids})
 
     def observe(self, out: RequestOutput, now: float) -> None:
         t = self._reqs.get(out.rid)

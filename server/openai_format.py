@@ -138,9 +138,8 @@ def _top(tok: Tokenizer, logprob: float | None, token_id: int) -> TopLogprob:
 
 def chat_logprobs(tok: Tokenizer, lp: Logprobs) -> list[TokenLogprob]:
     """/v1/chat/completions `logprobs.content` entries for one delta's output tokens."""
-    tops = lp.output_top or [[] for _ in lp.output_token]
     return [TokenLogprob(**_top(tok, v, t).model_dump(), top_logprobs=[_top(tok, a, b) for a, b in top or ()])
-            for (v, t), top in zip(lp.output_token, tops)]
+            for (v, t), top in zip(lp.output_token, lp.output_top or [[] for _ in lp.output_token])]
 
 
 def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, k: int | None) -> list[dict[str, dict[str, Any]] | None] | None:

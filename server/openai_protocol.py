@@ -92,9 +92,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
     def unsupported(self) -> str | None:
-        if self.suffix:
-            return "suffix (insertion) is not supported by this server."
-        return super().unsupported()
+        return "suffix (insertion) is not supported by this server." if self.suffix else super().unsupported()
 
 
 class ChatMessage(BaseModel):

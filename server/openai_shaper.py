@@ -1,6 +1,5 @@
-"""What the two OpenAI generation routes send for a submission: its stream frames (`frame`, `tail`) and
-its whole response (`response`), as NativeShaper does for /generate. The route parses, checks and
-submits; `respond` streams or collects."""
+"""What the two OpenAI generation routes send for a submission: stream frames (`frame`, `tail`), the whole response
+(`response`), as NativeShaper does for /generate. The route parses, checks, submits; `respond` streams or collects."""
 
 import time
 from collections.abc import Iterable, Iterator
@@ -65,12 +64,11 @@ class CompletionShaper(_Shaper):
         self.started = [False] * len(sub.rids)
 
     def choice(self, i: int, text: str, lp: Any, reason: Any, joined: Any) -> fmt.CompletionChoice:
-        logprobs = None
+        lps = None
         if self.req.logprobs is not None and lp is not None:
-            logprobs, self.offsets[i] = fmt.completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
+            lps, self.offsets[i] = fmt.completion_logprobs(self.tok, lp, self.echo, self.offsets[i])
         plp = fmt.prompt_logprobs(self.tok, joined.logprobs, self.req.prompt_logprobs) if reason is not None else None
-        return fmt.CompletionChoice(index=i, text=text, logprobs=logprobs, prompt_logprobs=plp,
-                                    **fmt.finish_fields(reason))
+        return fmt.CompletionChoice(index=i, text=text, logprobs=lps, prompt_logprobs=plp, **fmt.finish_fields(reason))
 
     def frame(self, i: int, out: Any) -> str | None:
         text = (self.texts[i // self.n] if self.echo and not self.started[i] else "") + out.new_text

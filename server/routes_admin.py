@@ -1,7 +1,6 @@
-"""Native info and utility routes: /health_generate, /model_info, /server_info (and their deprecated `/get_*`
-aliases), /get_load, /tokenize, /detokenize and /metrics (http_api.md §3); the pool introspection routes /pools...
-(§6). NOTE: counts are read from the event-loop thread while the engine thread runs; they are plain ints, so a
-reading is at worst one step old."""
+"""Native info and utility routes: /health_generate, /model_info, /server_info (and deprecated `/get_*` aliases),
+/get_load, /tokenize, /detokenize, /metrics (http_api.md §3); the pool introspection routes /pools... (§6). NOTE: counts
+are read on the event loop while the engine thread runs: plain ints, so a reading is at worst one step old."""
 
 import asyncio
 import logging
@@ -22,8 +21,7 @@ from server.protocol import DetokenizeReq, TokenizeReq
 from server.state import ServerState, server_state
 from server.submission import Submission
 
-logger = logging.getLogger(__name__)
-router = APIRouter()
+logger, router = logging.getLogger(__name__), APIRouter()
 HEALTH_TIMEOUT_S = 20.0
 
 
@@ -42,8 +40,7 @@ async def health_generate(request: Request) -> Response:
         return Response(status_code=503)
     except Exception:  # the client left: nobody reads the status
         return Response(status_code=503)
-    ok = (res.last.finish_reason or {}).get("type") != "abort"
-    return Response(status_code=200 if ok else 503)
+    return Response(status_code=503 if (res.last.finish_reason or {}).get("type") == "abort" else 200)
 
 
 @router.get("/get_model_info", deprecated=True)
@@ -118,8 +115,7 @@ async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
     state = server_state(request)
-    tok = _tokenizer(state)
-    vocab = state.engine.cfg.vocab_size
+    tok, vocab = _tokenizer(state), state.engine.cfg.vocab_size
     seqs = [body.tokens] if not body.tokens or isinstance(body.tokens[0], int) else body.tokens
     bad = next((t for seq in seqs for t in seq if not 0 <= t < vocab), None)  # type: ignore[operator]
     if bad is not None:

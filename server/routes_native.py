@@ -22,8 +22,7 @@ from server.routes_admin import router as admin_router
 from server.state import server_state
 from server.submission import Submission, respond, sampling_params
 
-logger = logging.getLogger(__name__)
-router = APIRouter()
+logger, router = logging.getLogger(__name__), APIRouter()
 router.include_router(admin_router)
 
 FLUSH_NOTE = ("\nPlease check backend logs for more details. (When there are running or waiting requests, the "
@@ -95,8 +94,7 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
     rids = _rids(req.rid, k, scalar)
     lps = [LogprobOptions(True, start[i], top[i], list(ids[i]) if ids[i] else None) if ret[i] else LogprobOptions()
            for i in range(k)]
-    reqs = [NewRequest(prompt, params[i], lps[i], rids[i]) for i, prompt in enumerate(prompts)]
-    return reqs, scalar and n == 1
+    return [NewRequest(prompt, params[i], lps[i], rids[i]) for i, prompt in enumerate(prompts)], scalar and n == 1
 
 
 class NativeShaper:
@@ -173,8 +171,7 @@ class NativeShaper:
 @router.post("/generate", operation_id="generate")
 async def generate(body: GenerateReqInput, request: Request) -> Response:
     """Text or token ids in; one object (single prompt, n=1) or a list out; SSE with `stream`."""
-    started = time.monotonic()
-    state = server_state(request)
+    started, state = time.monotonic(), server_state(request)
     tok = state.engine.tokenizer
     reqs, single = plan_generate(body, tok, state.args.engine.max_new_tokens_cap)
     sub = Submission(state.async_engine, reqs, "/generate", started)  # 400 / 503 before anything starts

@@ -40,9 +40,8 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
     state = server_state(request)
     if model_id == state.args.model_name:
         return JSONResponse(_model_card(state))
-    return JSONResponse(status_code=404, content={"error": {
-        "message": f"The model '{model_id}' does not exist", "type": "invalid_request_error",
-        "param": "model", "code": "model_not_found"}})
+    return JSONResponse(status_code=404, content={"error": {"message": f"The model '{model_id}' does not exist",
+        "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
 
 
 # ---- what both generation routes share ----------------------------------------------------------------
@@ -76,8 +75,7 @@ def _check(state: ServerState, req: SamplingFields) -> Tokenizer:
 
 
 def _logprob(req: SamplingFields, top: int | None, echo: bool) -> LogprobOptions:
-    """Logprob options: `top` alternatives per output token (None: no logprobs), prompt logprobs for
-    echo or vLLM's prompt_logprobs."""
+    """`top` alternatives per output token (None: no logprobs); prompt logprobs for echo or vLLM's prompt_logprobs."""
     if top is None and req.prompt_logprobs is None:
         return LogprobOptions()
     return LogprobOptions(True, 0 if echo or req.prompt_logprobs is not None else -1,
@@ -99,8 +97,7 @@ def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], m
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state, req = server_state(request), await _parse(request, CompletionRequest)
-    tok = _check(state, req)
-    cap = min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
+    tok, cap = _check(state, req), min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
     if req.logprobs is not None and req.logprobs > cap:
         raise ApiError(400, f"logprobs must be at most {cap}, got {req.logprobs}.", {"param": "logprobs"})
     # the four accepted shapes: a string or token ids, or a list of either

@@ -28,9 +28,7 @@ class ServerState:
     def status(self) -> str:
         if not self.async_engine.accepting:
             return "shutting_down"
-        if self.async_engine.warming:
-            return "warming_up"
-        return "ready" if self.healthy else "starting"
+        return "warming_up" if self.async_engine.warming else "ready" if self.healthy else "starting"
 
 
 def server_state(request: Request) -> ServerState:

@@ -43,8 +43,7 @@ class Submission:
         self.ae, self.route, self.id = ae, route, response_id  # (the response id, where the route has one)
         self.started = time.monotonic() if started is None else started
         self.rids, self._channel = ae.submit(reqs)  # BadRequest -> 400, EngineDeadError -> 503
-        self.joined = [JoinedOutput(r) for r in self.rids]
-        self._open = set(range(len(self.rids)))
+        self.joined, self._open = [JoinedOutput(r) for r in self.rids], set(range(len(self.rids)))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(sequence index, its new delta) until every sequence has finished; `joined[i]` already holds
@@ -144,9 +143,8 @@ class SSEResponse(StreamingResponse):
 
 async def sse_frames(sub: Submission, frame: Any, error: Any, head: Iterable[str] = (),
                      tail: Iterable[str] = ()) -> AsyncIterator[str]:
-    """`data:` lines: `head`, frame(i, out) per output (None: skip), `tail`, then [DONE]; `head` and `tail`
-    may be generators, run when the stream reaches them. An error once streaming has begun becomes
-    error(status, message) and ends the stream."""
+    """`data:` lines: `head`, frame(i, out) per output (None: skip), `tail`, then [DONE] (`head`, `tail` may be
+    generators, run when reached). An error once streaming began becomes error(status, message), ending the stream."""
     try:
         for text in head:
             yield text

@@ -1,8 +1,6 @@
-"""`minimax::moe_experts`: an MoE layer's routed experts, each expert's weights read for its own tokens only.
-
-CPU and float32 only (`on_kernel` says whether it runs here): moe_experts.c groups the tokens by expert inside
-the kernel, so there is no host sync and a compiled graph calls it as it is. Elsewhere MoE.forward keeps its
-PyTorch forms."""
+"""`minimax::moe_experts`: an MoE layer's routed experts, each expert's weights read for its own tokens only. CPU and
+float32 only (`on_kernel` says whether it runs here): moe_experts.c groups the tokens by expert inside the kernel, so
+there is no host sync and a compiled graph calls it as it is. Elsewhere MoE.forward keeps its PyTorch forms."""
 
 import ctypes
 import functools

@@ -88,8 +88,7 @@ def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
     k_only = _per_layer_flags(sc, key, n)
     if enabled:
         _check_equal(sc, "sparse_score_type", ("max",), "max")
-    block = int(_get(sc, "sparse_block_size", 128))
-    init = sc.get("sparse_init_block")
+    block, init = int(_get(sc, "sparse_block_size", 128)), sc.get("sparse_init_block")
     if init is None and sc.get("sparse_init_tokens") is not None:
         init = math.ceil(int(sc["sparse_init_tokens"]) / block)
     local = sc.get("sparse_local_block")
@@ -127,12 +126,10 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     shape = "transformers" if d.get("model_type") == NATIVE_MODEL_TYPE or (
         "sparse_attention_config" not in d and any(k in d for k in native_keys)) else "minimax"
 
-    for field in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
-        _require(isinstance(d.get(field), int) and d[field] > 0, field,
-                 f"required positive integer, got {d.get(field)!r}")
+    for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
+        _require(isinstance(d.get(key), int) and d[key] > 0, key, f"required positive integer, got {d.get(key)!r}")
     n, hidden, n_q = d["num_hidden_layers"], d["hidden_size"], d["num_attention_heads"]
-    n_kv = int(_get(d, "num_key_value_heads", n_q))
-    head_dim = int(_get(d, "head_dim", hidden // n_q))
+    n_kv, head_dim = int(_get(d, "num_key_value_heads", n_q)), int(_get(d, "head_dim", hidden // n_q))
 
     _check_equal(d, "use_gemma_norm", (True,), True)
     _check_equal(d, "qk_norm_type", ("per_head",), "per_head")
@@ -148,19 +145,17 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         vocab_size=d["vocab_size"], hidden_size=hidden, num_layers=n, num_heads=n_q, num_kv_heads=n_kv,
         head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
         max_position_embeddings=int(_get(d, "max_position_embeddings", 524288)),
-        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)),
-        intermediate_size=int(_get(d, "intermediate_size", 3072)),
-        dense_intermediate_size=int(_get(d, "dense_intermediate_size", 12288)),
-        shared_intermediate_size=shared,
+        rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), intermediate_size=int(_get(d, "intermediate_size", 3072)),
+        dense_intermediate_size=int(_get(d, "dense_intermediate_size", 12288)), shared_intermediate_size=shared,
         num_experts=int(_get(d, "num_local_experts", _get(d, "num_experts", 128))),
         num_experts_per_tok=int(_get(d, "num_experts_per_tok", 4)),
         routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.0)),
-        use_routing_bias=bool(_get(d, "use_routing_bias", True)),
-        swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702)), swiglu_limit=float(_get(d, "swiglu_limit", 7.0)),
+        use_routing_bias=bool(_get(d, "use_routing_bias", True)), swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702)),
+        swiglu_limit=float(_get(d, "swiglu_limit", 7.0)),
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-        moe_layers=_moe_layers(d, shape, n),
-        bos_token_id=d.get("bos_token_id"), eos_token_ids=_eos_ids(d.get("eos_token_id", raw.get("eos_token_id"))),
-        shape=shape, model_type=str(raw.get("model_type", d.get("model_type", ""))),
+        moe_layers=_moe_layers(d, shape, n), bos_token_id=d.get("bos_token_id"),
+        eos_token_ids=_eos_ids(d.get("eos_token_id", raw.get("eos_token_id"))), shape=shape,
+        model_type=str(raw.get("model_type", d.get("model_type", ""))),
         architectures=tuple(raw.get("architectures") or d.get("architectures") or []), **_sparse_fields(d, shape, n),
     )
 

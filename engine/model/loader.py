@@ -1,7 +1,5 @@
-"""Load a model: config.json + safetensors (single file or sharded) in either layout, or dummy weights.
-
-Missing, unexpected, mis-shaped and unsupported (quantized) tensors fail with a message naming them.
-"""
+"""Load a model: config.json + safetensors (single file or sharded) in either layout, or dummy weights. Missing,
+unexpected, mis-shaped and unsupported (quantized) tensors fail with a message naming them."""
 
 import json
 import logging
@@ -119,8 +117,7 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
                load_format: str = "auto", seed: int = 0, cfg: ModelConfig | None = None) -> MiniMaxM3Model:
     """Build the model for `model_path` and fill its weights (`load_format`: auto | safetensors | dummy)."""
     cfg = cfg or load_config(model_path)
-    model = MiniMaxM3Model(cfg)
-    model_dir = Path(model_path)
+    model, model_dir = MiniMaxM3Model(cfg), Path(model_path)
     if load_format == "dummy" or (load_format == "auto" and not any(model_dir.glob("*.safetensors"))):
         logger.warning("loading DUMMY weights (seed %d) for %s: outputs are random, not a trained model",
                        seed, model_dir)

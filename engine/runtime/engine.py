@@ -29,12 +29,10 @@ class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
         model, self.tokenizer, pool, self._kv, self.context_len = build_components(args)
-        self.cfg = model.cfg
-        self.max_total_len = min(self.context_len, self._kv.size)
+        self.cfg, self.max_total_len = model.cfg, min(self.context_len, self._kv.size)
         self._runner = ModelRunner(model, pool, args, self.max_total_len)
         chunk = args.chunked_prefill_size or (8192 if self._runner.device.type == "cuda" else 2048)
-        self._scheduler = Scheduler(self._kv, args.max_running_requests, chunk)
-        self._sampler = Sampler()
+        self._scheduler, self._sampler = Scheduler(self._kv, args.max_running_requests, chunk), Sampler()
         self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
         self.limits = Limits(self.cfg.vocab_size, self.context_len, self._kv.size, args.max_new_tokens_cap,
                              self.tokenizer is not None)
@@ -42,8 +40,7 @@ class Engine:
         self._cond = threading.Condition()  # guards the inbox, the aborts and the rid tables
         self._inbox: list[tuple[NewRequest, str]] = []
         self._aborts: list[tuple[str, bool]] = []
-        self._woken = False
-        self._rids = RidTable()
+        self._woken, self._rids = False, RidTable()
         self._touched: dict[str, Req] = {}
         self._overlap = self._runner.device.type == "cuda" and not args.disable_overlap_schedule
         self._pending: tuple | None = None  # the last step's (requests, logprob layout, ids or table to the host, event)
@@ -210,8 +207,7 @@ class Engine:
 
     def _collect(self) -> list[RequestOutput]:
         outs = [req.take_output() for req in self._touched.values() if not req.hidden]
-        finished = [r.rid for r in self._touched.values() if r.finished]
-        self._touched = {}
+        finished, self._touched = [r.rid for r in self._touched.values() if r.finished], {}
         if finished:
             with self._cond:
                 self._rids.finished(finished)
@@ -231,8 +227,7 @@ class Engine:
         s, kv = self._scheduler, self._kv
         return EngineStats(len(s.running), len(s.waiting), kv.size, kv.size - kv.free_slots(), kv.free_slots(),
                            kv.evictable_slots(), kv.cached_slots(), self.pool.total_bytes(),
-                           self._runner.graphs.ready(), dict(kv.hit_tokens),
-                           kv.hicache.info() if kv.hicache else None)
+                           self._runner.graphs.ready(), dict(kv.hit_tokens), kv.hicache.info() if kv.hicache else None)
 
     def decode_graphs(self) -> dict:
         """The captured decode graphs, how many steps replayed them or missed them, and overlapped (/server_info)."""

@@ -20,8 +20,7 @@ class LLM:
         decode graphs are compiled here, as a server does at start (`disable_cuda_graph=True`: eager)."""
         self.engine = Engine(EngineArgs(model_path=str(model_path), **kwargs))
         self.engine.warm_up()
-        self.tokenizer = self.engine.tokenizer
-        self.cfg = self.engine.cfg
+        self.tokenizer, self.cfg = self.engine.tokenizer, self.engine.cfg
 
     def _encode(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -14,16 +14,12 @@ def logprob_entries(logits: torch.Tensor, targets: list[int], top_n: int, ids: l
     the rank of targets[i]: 1 + the number of tokens more likely)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1))
-    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
-    token = list(zip(chosen_t[:, 0].tolist(), targets))
+    ranks, token = ((lp > chosen_t).sum(dim=-1) + 1).tolist(), list(zip(chosen_t[:, 0].tolist(), targets))
     top = None
     if top_n > 0:
         vals, idx = lp.topk(min(top_n, lp.shape[-1]), dim=-1)
         top = [list(zip(v, i)) for v, i in zip(vals.tolist(), idx.tolist())]
-    wanted = None
-    if ids:
-        picked = lp[:, torch.tensor(ids, device=lp.device)].tolist()
-        wanted = [list(zip(row, ids)) for row in picked]
+    wanted = [list(zip(row, ids)) for row in lp[:, torch.tensor(ids, device=lp.device)].tolist()] if ids else None
     return token, top, wanted, ranks
 
 
@@ -39,8 +35,7 @@ class PromptRows:
 def plan_prompt_rows(req: Req, prefix: int, n: int, offset: int, rows: list[int]) -> PromptRows:
     """Append to `rows` the flattened-batch rows whose logits score prompt tokens of this chunk
     (positions prefix..prefix+n-1 of the request, at batch offset `offset`)."""
-    lp, p = req.logprob, len(req.prompt_ids)
-    first = len(rows)
+    lp, p, first = req.logprob, len(req.prompt_ids), len(rows)
     if not lp.return_logprob or lp.logprob_start_len < 0 or req.prompt_logprobs_done:
         return PromptRows(first, [], False)
     end = prefix + n
@@ -55,12 +50,10 @@ def record_prompt(req: Req, plan: PromptRows, logits: torch.Tensor) -> None:
         req.pending.extend(Logprobs(input_token=[(None, req.prompt_ids[0])], input_top=[None],
                                     input_ids=[None], input_rank=[None]))
     if plan.targets:
-        rows = logits[plan.first:plan.first + len(plan.targets)]
-        tok, top, ids, ranks = logprob_entries(rows, plan.targets, req.logprob.top_logprobs_num,
-                                               req.logprob.token_ids_logprob)
+        tok, top, ids, ranks = logprob_entries(logits[plan.first:plan.first + len(plan.targets)], plan.targets,
+                                               req.logprob.top_logprobs_num, req.logprob.token_ids_logprob)
         none = [None] * len(tok)
-        req.pending.extend(Logprobs(input_token=tok, input_top=top or none, input_ids=ids or none,
-                                    input_rank=ranks))
+        req.pending.extend(Logprobs(input_token=tok, input_top=top or none, input_ids=ids or none, input_rank=ranks))
 
 
 def record_output(req: Req, row: list[float], top_n: int, ids: list[int]) -> None:

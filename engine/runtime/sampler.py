@@ -1,16 +1,13 @@
-"""Batched, per-request-reproducible token sampler.
-
-Per row: logit_bias → repetition penalty (prompt + output tokens) → frequency and presence penalties (output
-tokens) → suppressed ids at -inf → greedy argmax, or temperature, top-k, top-p, min-p and a random draw. Top-k,
-top-p and min-p filter the same temperature-scaled distribution, combined as SGLang does: a token survives if it
-is among the k most likely, if the mass strictly before it is < top_p, and if its probability is >= min_p × the
-largest. The most likely token always survives.
+"""Batched, per-request-reproducible token sampler. Per row: logit_bias → repetition penalty (prompt + output tokens) →
+frequency and presence penalties (output tokens) → suppressed ids at -inf → greedy argmax, or temperature, top-k, top-p,
+min-p and a random draw. Top-k, top-p and min-p filter the same temperature-scaled distribution, combined as SGLang
+does: a token survives if it is among the k most likely, if the mass strictly before it is < top_p, and if its
+probability is >= min_p × the largest. The most likely token always survives.
 
 The draw is an exponential race, argmax(p / E) with E ~ Exp(1) per token: token i with probability p_i / sum(p), no
 renormalizing. E is not drawn from a generator's state: it is a hash of (the request's seed, the position of the token
 drawn, the token id), so a seeded request gets the same tokens wherever it sits in any batch, and a whole batch draws
-in a fixed number of tensor operations (an unseeded request gets a random seed at admission).
-"""
+in a fixed number of tensor operations (an unseeded request gets a random seed at admission)."""
 
 from collections.abc import Sequence
 from typing import Any
@@ -97,8 +94,7 @@ class Sampler:
                        cols: torch.Tensor) -> torch.Tensor:
         """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0, not
         renormalized, every row as sampling (callers handle greedy rows); row i's settings: cols[i] (see `sample`)."""
-        v = logits.shape[1]
-        probs = torch.softmax(logits / cols[:, :1], dim=-1)
+        v, probs = logits.shape[1], torch.softmax(logits / cols[:, :1], dim=-1)
         if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
             return probs
         sp, order = probs.sort(dim=-1, descending=True, stable=True)
@@ -116,8 +112,7 @@ class Sampler:
         position it fills). `carried`: the requests of the last call, in its order, each fed the token it sampled."""
         if len(seeds) != logits.shape[0]:
             raise ValueError(f"sampler got {logits.shape[0]} logit rows but {len(seeds)} seeds")
-        st = self._state
-        x = self.process_logits(logits, params, output_ids, prompt_ids, suppress, carried)
+        st, x = self._state, self.process_logits(logits, params, output_ids, prompt_ids, suppress, carried)
         if all(p.is_greedy for p in params):
             tokens = _argmax(x)
         else:
@@ -165,9 +160,8 @@ def token_hash(vocab: int, device: torch.device) -> torch.Tensor:
 
 
 def exponential_noise(seeds: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id) given as `seed_hash`es [B],
-    positions [B] and `token_hash`es [V]: -log(u), u from 23 hashed bits (`unit`), so neither end of the hash's
-    range gives 0 or infinite noise (at most 16.6)."""
+    """[B, V] float32 Exp(1) noise, a pure function of (seed, position, token id) given as `seed_hash`es [B], positions
+    [B] and `token_hash`es [V]: -log(u), u from 23 hashed bits (`unit`): never 0 or infinite (at most 16.6)."""
     row = _mix(seeds ^ (positions & _M32))  # [B]
     return -torch.log(unit(_mix(row[:, None] ^ tokens[None, :])))
 

@@ -30,8 +30,7 @@ def _as_int(name: str, v: Any) -> int:
 
 
 def _coerce(name: str, v: Any) -> Any:
-    """Type-check one non-null JSON value for field `name`; returns the value to store (`__post_init__`
-    makes a stop string a list)."""
+    """Type-check one non-null JSON value of field `name`; the value to store (`__post_init__` lists a stop string)."""
     if name in _INT_FIELDS:
         return _as_int(name, v)
     if name in _TYPED_FIELDS:

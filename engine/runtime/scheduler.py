@@ -77,9 +77,8 @@ class Scheduler:
     def _admit(self, req: Req) -> None:
         """Give a request a row and its cached prefix: at least one token must be computed (for the
         logits), and prompt logprobs need the logits from their start."""
-        ids = req.all_ids
+        ids, lp = req.all_ids, req.logprob
         limit = len(ids) - 1
-        lp = req.logprob
         if lp.return_logprob and lp.logprob_start_len >= 0 and not req.prompt_logprobs_done:
             limit = min(limit, max(lp.logprob_start_len - 1, 0))
         req.kv = self.kv.admit(ids[:limit])
@@ -98,8 +97,7 @@ class Scheduler:
                     break
                 self._admit(req)
             n = min(budget, req.remaining_prefill())
-            # NOTE: keep one slot per request that decodes next step, so admitting new work does not
-            # force a retraction at once.
+            # NOTE: keep a slot per request decoding next step: admitting new work must not force a retraction at once.
             reserve = len(self.running) + len(chosen) + 1 + sum(k for _, k in chosen)
             if not self.kv.can_allocate(n + reserve):
                 n = self.kv.room() - reserve
@@ -123,8 +121,7 @@ class Scheduler:
             self.retract(max(self.running, key=lambda r: r.created))  # newest first
         if not self.running:
             return None
-        # NOTE: rows sorted by length, so a length-bucketed attention pads little
-        reqs = sorted(self.running, key=lambda r: r.num_computed)
+        reqs = sorted(self.running, key=lambda r: r.num_computed)  # NOTE: length-bucketed attention then pads little
         steady, self._decoded = reqs == self._decoded, reqs
         return self._build([(r, 1) for r in reqs], steady)
 

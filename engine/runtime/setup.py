@@ -83,8 +83,7 @@ def kv_pool_tokens(args: EngineArgs, model: MiniMaxM3Model, dtype: torch.dtype, 
     if budget is None and device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         budget = int(free * args.mem_fraction_static)
-    budget = budget or CPU_KV_BYTES
-    c = model.cfg
+    budget, c = budget or CPU_KV_BYTES, model.cfg
     return MiniMaxSparseKVPool.size_for_budget(budget, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
                                                c.index_head_dim, dtype)
 
@@ -144,11 +143,9 @@ def build_components(args: EngineArgs
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # NOTE: CPUs have no fast bf16
     dtype = DTYPES.get(args.dtype, auto)
-    cfg = load_config(args.model_path)
-    tokenizer = load_tokenizer(args)
+    cfg, tokenizer = load_config(args.model_path), load_tokenizer(args)
     model = load_model(args.model_path, dtype, device, args.load_format, args.random_seed, cfg=cfg)
-    context_len = args.context_length or cfg.max_position_embeddings
-    size = kv_pool_tokens(args, model, dtype, device)
+    context_len, size = args.context_length or cfg.max_position_embeddings, kv_pool_tokens(args, model, dtype, device)
     pool = MiniMaxSparseKVPool(size, dtype, list(cfg.layer_kinds), cfg.num_kv_heads, cfg.head_dim,
                                cfg.index_head_dim, device)
     kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache,

@@ -10,17 +10,14 @@ from engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 class StopChecker:
     """Feeds each new token to an incremental detokenizer and decides whether the request is done. NOTE: text
     that could still begin a stop string is held back (`_held`) until resolved, so a stream never releases
-    characters that a later stop match trims away; a match always lies inside the held text plus the newest delta.
-    """
+    characters that a later stop match trims away; a match always lies inside the held text plus the newest delta."""
 
     def __init__(self, params: SamplingParams, eos_ids: set[int], tokenizer: Tokenizer | None,
                  prompt_ids: list[int], max_total_len: int) -> None:
-        self.params = params
+        self.params, self.max_total_len = params, max_total_len
         self.suppress_ids = set(eos_ids)  # min_new_tokens holds EOS back even under ignore_eos
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
-        self.stop_ids = set(params.stop_token_ids or ())
-        self.stops = list(params.stop or ())
-        self.max_total_len = max_total_len
+        self.stop_ids, self.stops = set(params.stop_token_ids or ()), list(params.stop or ())
         self.detok = (IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
                       if tokenizer is not None else None)
         self._held = ""  # decoded, not released: a possible start of a stop string
@@ -50,8 +47,7 @@ class StopChecker:
             if hits:
                 pos, s = min(hits)
                 self._released.append(buf[: pos + (len(s) if self.params.no_stop_trim else 0)])
-                self._held = ""
-                self.done = True
+                self._held, self.done = "", True
                 return {"type": "stop", "matched": s}
         self._add(delta)
         if self.at_length(n_out, n_total - n_out):  # (n_out is max_new_tokens when that is what ends it)
@@ -62,8 +58,7 @@ class StopChecker:
         """Release everything (held text and any incomplete character) and return `reason`."""
         if not self.done:
             self.done = True
-            tail = self.detok.flush() if self.detok is not None else ""
-            self._released.append(self._held + tail)
+            self._released.append(self._held + (self.detok.flush() if self.detok is not None else ""))
             self._held = ""
         return reason
 
@@ -77,8 +72,7 @@ class StopChecker:
 
     def _add(self, delta: str) -> None:
         """Append decoded text, releasing all but the longest suffix that begins a stop string."""
-        buf = self._held + delta
-        hold = 0
+        buf, hold = self._held + delta, 0
         for s in self.stops:
             for k in range(min(len(s) - 1, len(buf)), hold, -1):
                 if buf.endswith(s[:k]):

@@ -46,17 +46,14 @@ class Tokenizer:
 
     def __init__(self, hf_tokenizer: _HFTokenizer, tokenizer_config: dict[str, Any] | None = None,
                  generation_config: dict[str, Any] | None = None, chat_template: str | None = None) -> None:
-        self._tok = hf_tokenizer
-        cfg, gen = tokenizer_config or {}, generation_config or {}
-        self.bos_token = _token_content(cfg.get("bos_token"))
-        self.eos_token = _token_content(cfg.get("eos_token"))
+        self._tok, cfg, gen = hf_tokenizer, tokenizer_config or {}, generation_config or {}
+        self.bos_token, self.eos_token = _token_content(cfg.get("bos_token")), _token_content(cfg.get("eos_token"))
         self.pad_token = _token_content(cfg.get("pad_token"))
         self.bos_token_id = self.token_to_id(self.bos_token)
         if self.bos_token_id is None and isinstance(gen.get("bos_token_id"), int):
             self.bos_token_id = gen["bos_token_id"]
         self.eos_token_id = self.token_to_id(self.eos_token)
-        self.add_bos_token = bool(cfg.get("add_bos_token", False))
-        self.add_eos_token = bool(cfg.get("add_eos_token", False))
+        self.add_bos_token, self.add_eos_token = (bool(cfg.get(k, False)) for k in ("add_bos_token", "add_eos_token"))
 
         gen_eos = gen.get("eos_token_id")
         eos_ids = {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or ())
@@ -68,8 +65,7 @@ class Tokenizer:
 
         template = chat_template if chat_template is not None else cfg.get("chat_template")
         if isinstance(template, list):  # HF multi-template form: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
+            template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
         self.chat_template: str | None = template if isinstance(template, str) else None
         self._compiled_template: Any = None
 
@@ -119,11 +115,10 @@ class Tokenizer:
                 self._compiled_template = env.from_string(self.chat_template)
             except TemplateError as e:
                 raise ChatTemplateError(f"invalid chat template: {e}") from e
-        context = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
-                   "pad_token": self.pad_token or "", **kwargs}
+        ctx = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "pad_token": self.pad_token or "",
+               **kwargs}
         try:
-            return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                                  **context)
+            return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx)
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
 
@@ -146,8 +141,7 @@ class IncrementalDetokenizer:
     def _delta(self, final: bool) -> str:
         if len(self._ids) == self._read_offset:
             return ""
-        prefix_text = self._decode(self._prefix_offset, self._read_offset)
-        full_text = self._decode(self._prefix_offset)
+        prefix_text, full_text = self._decode(self._prefix_offset, self._read_offset), self._decode(self._prefix_offset)
         if len(full_text) <= len(prefix_text) or (not final and full_text.endswith(REPLACEMENT_CHAR)):
             return ""
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
