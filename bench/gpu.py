@@ -59,7 +59,8 @@ def section(results: dict, name: str, fn, *args) -> None:
 
 
 def run_tests() -> dict:
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda.py"],
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda.py",
+                        "tests/test_triton_decode.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400)
     return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
 

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # (Triton's kernels run by its interpreter: tests/test_triton_decode.py)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tests.reliability_utils import reference_ids
 

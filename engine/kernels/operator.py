@@ -16,15 +16,15 @@ Kernel = Callable[..., torch.Tensor]
 _LIBRARY = torch.library.Library("minimax", "DEF")  # (the operator namespace: one per process, as torch's own)
 
 
-def operator(schema: str) -> Callable[[Kernel], Callable]:
+def operator(schema: str, fake: Kernel | None = None) -> Callable[[Kernel], Callable]:
     """Decorate a kernel's entry point with its schema, e.g. "moe_experts(Tensor x, float alpha) -> Tensor";
-    the result is the operator (`torch.ops.minimax.<name>.default`)."""
+    the result is the operator (`torch.ops.minimax.<name>.default`). `fake`: its output's shape (default: x's)."""
     name = schema.split("(", 1)[0]
 
     def register(fn: Kernel) -> Callable:
         _LIBRARY.define(schema)
         _LIBRARY.impl(name, fn, "CompositeExplicitAutograd")
-        torch.library.register_fake(f"minimax::{name}", lambda x, *_: torch.empty_like(x), lib=_LIBRARY)
+        torch.library.register_fake(f"minimax::{name}", fake or (lambda x, *_: torch.empty_like(x)), lib=_LIBRARY)
         op = getattr(torch.ops.minimax, name).default
         op.__doc__ = fn.__doc__
         return op

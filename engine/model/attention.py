@@ -6,7 +6,8 @@ through slot indices (a cached prefix and fresh tokens alike), after the caller 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_attention import paged_attention, paged_block_attention
+from engine.kernels.paged_attention import paged_block_attention
+from engine.kernels.triton_decode import decode_attention, decode_block_scores
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import block_masks, block_scores, select_blocks
@@ -29,39 +30,31 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
 
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
 def decode_masks(b: DecodeBatch, cfg: ModelConfig) -> tuple:
-    """What every layer of a decode step reads alike, made once a step: which keys each row sees [B, 1, 1, N] (j up
-    to its position) and, with sparse layers, the block selection's `block_masks`."""
-    n = b.key_slots.shape[1]
-    visible = (torch.arange(n, device=b.key_slots.device) <= b.positions[:, None])[:, None, None, :]
-    return visible, (block_masks(b.positions[:, None], -(-n // cfg.block_size), cfg.block_size, cfg.topk_blocks,
-                                 cfg.init_blocks, cfg.local_blocks) if cfg.any_sparse else None)
-
-
-def _rows(slots: torch.Tensor, heads: int) -> torch.Tensor:
-    """Buffer rows (slot * heads + head) of every head's keys: slots [B, N] -> [B, heads, N]."""
-    return slots[:, None, :] * heads + torch.arange(heads, device=slots.device)[None, :, None]
+    """What every layer of a decode step reads alike, made once a step: each row's key count (its position + 1)
+    and, with sparse layers, the block selection's `block_masks`."""
+    nb = -(-b.key_slots.shape[1] // cfg.block_size)
+    return b.positions + 1, (block_masks(b.positions[:, None], nb, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
+                                         cfg.local_blocks) if cfg.any_sparse else None)
 
 
 def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBatch, pool: MiniMaxSparseKVPool,
             cfg: ModelConfig, masks: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
     kind, rows = cfg.layer_kinds[layer_id], q.shape[0]
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
-    visible, selection = masks  # [B, 1, 1, N], block_masks
+    lengths, selection = masks  # [B], block_masks
     qh = q.view(rows, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, n_kv, G, D]: GQA group g = head // G
     scale = cfg.head_dim ** -0.5
     if kind == "dense":
-        o = paged_attention(qh, k_buf, v_buf, _rows(b.key_slots, cfg.num_kv_heads), visible, scale)
+        o = decode_attention(qh, k_buf, v_buf, b.key_slots, lengths, scale)
     else:  # NOTE: for any context length: with at most K blocks visible, all are selected (model.md §3.3)
-        ik_buf = pool.get_index_k_buffer(layer_id)
-        scores = block_scores(iq[:, None], ik_buf[b.key_slots][:, :, 0], visible[:, 0], cfg.block_size)
-        blocks = select_blocks(scores, selection)[:, :, 0]  # [B, n_kv, K]
+        scores = decode_block_scores(iq, pool.get_index_k_buffer(layer_id), b.key_slots, lengths, cfg.block_size)
+        blocks = select_blocks(scores[:, :, None], selection)[:, :, 0]  # [B, n_kv, K]
         o = sparse_attend(q, k_buf, v_buf, b.key_slots, blocks, b.positions, cfg.block_size, scale)
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)
-        u = paged_attention(iq[:, None], ik_buf, iv_buf, b.key_slots[:, None, :], visible,
-                            cfg.index_head_dim ** -0.5).reshape(rows, -1)
-    return o.reshape(rows, -1), u
+        u = decode_attention(iq[:, None], ik_buf, iv_buf, b.key_slots, lengths, cfg.index_head_dim ** -0.5)
+    return o.reshape(rows, -1), None if u is None else u.reshape(rows, -1)
 
 
 def sparse_attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,

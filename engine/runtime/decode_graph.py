@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from engine.kernels import triton_decode
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs, Step
@@ -28,9 +29,10 @@ logger = logging.getLogger(__name__)
 # The default buckets, as SGLang's list for --cuda-graph-bs starts; capped by --cuda-graph-max-bs.
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
 CPU_MAX_BS = 64  # NOTE: CPU buckets past 64 rows would add compile time for steps that are compute-bound anyway
-# Decode key tables are padded to a multiple of KEY_BUCKET on CPU (one dynamic graph serves them all), and on CUDA
-# up to the next power of two (at least the model's least key count): one captured graph per such key bucket, up to
-# CUDA_MAX_KEYS keys (past it, eager).
+# Decode key tables are padded to a multiple of KEY_BUCKET on CPU (one dynamic graph serves them all). On CUDA they
+# are as wide as the longest context, one graph per batch bucket, where Triton's decode kernels run (they read each
+# row's key count, see triton_decode); else up to the next power of two (at least the model's least key count): one
+# captured graph per such key bucket, up to CUDA_MAX_KEYS keys (past it, eager).
 KEY_BUCKET = 64
 CUDA_MAX_KEYS = 8192
 # One row's softmax sums its keys in pieces of this many (graph_passes' `one_row_attention`). A decode step's key
@@ -76,10 +78,14 @@ class DecodeGraphs:
                 one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
-        if device.type == "cuda":
+        c = model.cfg
+        if device.type == "cuda" and triton_decode.serves(device, c.head_dim, *[c.index_head_dim] * c.any_sparse):
+            self.key_buckets = (max(min_keys, -(-max_keys // KEY_BUCKET) * KEY_BUCKET),)  # (any context: one graph)
+        elif device.type == "cuda":
             top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
             self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
                                                 if max(min_keys, 1 << j >> 1) < top))
+        if device.type == "cuda":
             self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
 
     def key_width(self, need: int) -> int:

@@ -1,0 +1,155 @@
+"""Decode attention and the indexer's block scores on CUDA as Triton kernels that read each row's key count from a
+tensor (`lengths`): the key table is as wide as the longest context and a kernel's work is each row's keys, not the
+table's width, so one captured graph per batch size serves every context length. Where Triton cannot run (CPU), and
+for good once a launch has failed, the forms over every key of the table serve (`paged_attention`, `block_scores`).
+`decode_attention` splits each row's keys over SPLITS programs (flash-decoding), each writing its part's output and
+log-sum-exp for torch to combine. The dots are float32 (`ieee`) whatever the model's dtype, in tiles of TILE keys,
+the query heads of a KV head padded to 16 rows (tl.dot's least)."""
+
+import logging
+
+import torch
+
+from engine.kernels.operator import operator
+from engine.kernels.paged_attention import paged_attention
+from engine.model.indexer import block_scores
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # (CPU builds of torch come without it)
+    triton = None
+
+logger = logging.getLogger(__name__)
+SPLITS, TILE = 16, 64
+_failed: list[BaseException] = []  # (a launch that raised: the other forms from then on)
+
+
+def serves(device: torch.device, *dims: int) -> bool:
+    """Whether the kernels run on `device` for head dims `dims`: CUDA, Triton, each a power of two from 16."""
+    return triton is not None and device.type == "cuda" and not _failed and all(d >= 16 and d & (d - 1) == 0
+                                                                                 for d in dims)
+
+
+def usable(x: torch.Tensor, buf: torch.Tensor) -> bool:
+    return serves(x.device, x.shape[-1]) and buf.shape[-1] == x.shape[-1]
+
+
+def _launch(kernel, fallback, *args):
+    try:
+        return kernel(*args)
+    except Exception as e:  # noqa: BLE001 - serving goes on, on the other forms
+        logger.exception("Triton's %s failed: the form over the whole key table runs from now on (%s)", kernel.__name__, e)
+        _failed.append(e)
+        return fallback(*args)
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
+                     lengths: torch.Tensor, scale: float) -> torch.Tensor:
+    """softmax_j(q . k_j * scale) v_j over keys j < lengths[r] (>= 1) of row r, key j in slot key_slots[r, j]:
+    q [B, H, G, D], k_buf and v_buf [slots, H, D], key_slots [B, N] -> [B, H, G, D]. Triton's kernel where it
+    runs, else `paged_attention` over every head's buffer rows (on CPU its C kernel)."""
+    if usable(q, k_buf):
+        return _attention_op(q, k_buf, v_buf, key_slots, lengths, scale)
+    return _listed(q, k_buf, v_buf, key_slots, lengths, scale)
+
+
+def decode_block_scores(iq: torch.Tensor, ik_buf: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
+                        block_size: int) -> torch.Tensor:
+    """`block_scores` of iq [B, H, D] over row r's keys j < lengths[r] (index keys ik_buf [slots, 1, D]) ->
+    [B, H, ceil(N / block_size)] float32, -inf past a row's last block. Triton's kernel where it runs, else over
+    the gathered index keys."""
+    if usable(iq, ik_buf):
+        return _scores_op(iq, ik_buf, key_slots, lengths, block_size)
+    return _gathered_scores(iq, ik_buf, key_slots, lengths, block_size)
+
+
+@operator("triton_decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor lengths, "
+          "float scale) -> Tensor")
+def _attention_op(q, k_buf, v_buf, key_slots, lengths, scale):
+    return _launch(_attention, _listed, q, k_buf, v_buf, key_slots, lengths, scale)
+
+
+@operator("triton_block_scores(Tensor iq, Tensor ik_buf, Tensor key_slots, Tensor lengths, int block_size) -> Tensor",
+          fake=lambda iq, ik, slots, lengths, bs: iq.new_empty(*iq.shape[:2], -(-slots.shape[1] // bs), dtype=torch.float32))
+def _scores_op(iq, ik_buf, key_slots, lengths, block_size):
+    return _launch(_scores, _gathered_scores, iq, ik_buf, key_slots, lengths, block_size)
+
+
+def _listed(q, k_buf, v_buf, key_slots, lengths, scale):
+    n, h = key_slots.shape[1], k_buf.shape[1]
+    rows = key_slots[:, None, :] * h + torch.arange(h, device=q.device)[None, :, None]  # (slot * heads + head)
+    return paged_attention(q, k_buf, v_buf, rows, (torch.arange(n, device=q.device) < lengths[:, None])[:, None, None],
+                           scale)
+
+
+def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
+    visible = torch.arange(key_slots.shape[1], device=iq.device) < lengths[:, None]
+    return block_scores(iq[:, None], ik_buf[key_slots][:, :, 0], visible[:, None], block_size)[:, :, 0]
+
+
+def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
+    (b, h, g, d), q = q.shape, q.contiguous()
+    part = torch.empty(b, h, SPLITS, g, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, SPLITS, g, dtype=torch.float32, device=q.device)
+    _attend_kernel[(b, h, SPLITS)](q, k_buf, v_buf, key_slots, lengths, part, lse, key_slots.stride(0), scale, H=h, G=g,
+                                   GP=max(16, triton.next_power_of_2(g)), D=d, SPLITS=SPLITS, TILE=TILE)
+    return (torch.softmax(lse, dim=2)[..., None] * part).sum(dim=2).to(q.dtype)  # (the parts, weighted by their sums)
+
+
+def _scores(iq, ik_buf, key_slots, lengths, block_size):
+    (b, h, d), nb = iq.shape, -(-key_slots.shape[1] // block_size)
+    per = triton.next_power_of_2(-(-nb // SPLITS))  # (blocks a program)
+    out = torch.empty(b, h, nb, dtype=torch.float32, device=iq.device)
+    _scores_kernel[(b, -(-nb // per))](iq.contiguous(), ik_buf, key_slots, lengths, out, key_slots.stride(0), nb,
+                                       H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=block_size, PER=per)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _attend_kernel(q, k, v, slots, lengths, part, lse, slot_stride, scale, H: tl.constexpr, G: tl.constexpr,
+                       GP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr):
+        r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        n = tl.load(lengths + r)
+        per = tl.cdiv(tl.cdiv(n, SPLITS), TILE) * TILE
+        lo, hi = s * per, tl.minimum(s * per + per, n)
+        g, d = tl.arange(0, GP), tl.arange(0, D)
+        qv = tl.load(q + ((r * H + h) * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
+        qv = qv.to(tl.float32) * scale
+        m, total = tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for start in range(lo, hi, TILE):
+            j = start + tl.arange(0, TILE)
+            ok = j < hi
+            at = (tl.load(slots + r * slot_stride + j, mask=ok, other=0) * H + h)[:, None] * D + d[None, :]
+            kv = tl.load(k + at, mask=ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [GP, TILE]
+            top = tl.maximum(m, tl.max(sc, 1))
+            p, fade = tl.exp(sc - top[:, None]), tl.exp(m - top)
+            vv = tl.load(v + at, mask=ok[:, None], other=0.0).to(tl.float32)
+            acc = acc * fade[:, None] + tl.dot(p, vv, input_precision="ieee")
+            total, m = total * fade + tl.sum(p, 1), top
+        # (an empty part: zeros, and a log-sum-exp of -inf, its weight 0; a part with keys has a total of at least 1)
+        at = ((r * H + h) * SPLITS + s) * G + g
+        tl.store(part + at[:, None] * D + d[None, :], acc / tl.maximum(total, 1.0)[:, None], mask=g[:, None] < G)
+        tl.store(lse + at, m + tl.log(total), mask=g < G)
+
+    @triton.jit
+    def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, H: tl.constexpr, HP: tl.constexpr,
+                       D: tl.constexpr, BS: tl.constexpr, PER: tl.constexpr):
+        r, s = tl.program_id(0), tl.program_id(1)
+        n = tl.load(lengths + r)
+        h, d, j = tl.arange(0, HP), tl.arange(0, D), tl.arange(0, BS)
+        qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0).to(tl.float32)
+        live = tl.minimum(s * PER + PER, tl.cdiv(n, BS))  # (blocks from there on hold no key of the row)
+        for blk in range(s * PER, live):
+            pos = blk * BS + j
+            ok = pos < n
+            at = tl.load(slots + r * slot_stride + pos, mask=ok, other=0)[:, None] * D + d[None, :]
+            kv = tl.load(ik + at, mask=ok[:, None], other=0.0).to(tl.float32)
+            sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [HP, BS]
+            tl.store(out + (r * H + h) * nb + blk, tl.max(sc, 1), mask=h < H)
+        idx = s * PER + tl.arange(0, PER)
+        tl.store(out + (r * H + h[:, None]) * nb + idx[None, :], float("-inf"),
+                 mask=(h[:, None] < H) & (idx[None, :] >= live) & (idx[None, :] < nb))

@@ -1,0 +1,82 @@
+"""Triton's decode kernels (engine/kernels/triton_decode.py), compiled on a GPU (`make bench-gpu` runs this file) and
+run by Triton's interpreter elsewhere (TRITON_INTERPRET=1, set in conftest.py where there is no CUDA): against the
+forms over the whole key table (on CPU the C kernel; the gathered index keys), with rows of one key up to many
+splits of tiles; a whole decode step of configs/tiny through them against the step through those forms, past the
+top-k budget, at two key-table widths; and a kernel that raises, after which the other forms serve."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+from engine_utils import TINY
+
+from engine.kernels import triton_decode
+from engine.model.loader import load_model
+from tests.forward_utils import PagedModel
+
+pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+LENGTHS = [1, 63, 64, 65, 700, 1024, 1500]  # (one key; a tile's edges; parts of 64 keys; 16 parts of 128)
+
+
+def _case(dtype: torch.dtype, heads: int, group: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    slots, width = 4000, 1536
+    q = torch.randn(len(LENGTHS), heads, group, dim, generator=g).to(dtype)
+    k, v = (torch.randn(slots, heads, dim, generator=g).to(dtype) for _ in range(2))
+    key_slots = torch.randint(0, slots, (len(LENGTHS), width), generator=g)
+    return (x.to(DEVICE) for x in (q, k, v, key_slots, torch.tensor(LENGTHS)))
+
+
+@pytest.mark.parametrize("heads,group,dim", [(2, 4, 32), (1, 2, 32), (2, 24, 64)])  # (GQA; index-value; past 16 rows)
+def test_attention_kernel_equals_the_whole_table_form(heads, group, dim):
+    q, k, v, key_slots, lengths = _case(torch.float32, heads, group, dim)
+    got = triton_decode._attention(q, k, v, key_slots, lengths, dim ** -0.5)
+    want = triton_decode._listed(q, k, v, key_slots, lengths, dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    q, k, v = q.bfloat16(), k.bfloat16(), v.bfloat16()  # (bf16 inputs, float32 sums: within bf16's rounding)
+    exact = triton_decode._listed(q.float(), k.float(), v.float(), key_slots, lengths, dim ** -0.5)
+    torch.testing.assert_close(triton_decode._attention(q, k, v, key_slots, lengths, dim ** -0.5).float(), exact,
+                               atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("block_size", [64, 16])
+def test_block_score_kernel_equals_the_gathered_form(block_size):
+    q, k, _, key_slots, lengths = _case(torch.float32, 1, 2, 32)
+    iq, ik = q[:, 0], k
+    got = triton_decode._scores(iq, ik, key_slots, lengths, block_size)
+    want = triton_decode._gathered_scores(iq, ik, key_slots, lengths, block_size)
+    assert got.shape == want.shape == (len(LENGTHS), 2, 1536 // block_size)
+    past = want.isneginf()
+    assert torch.equal(got.isneginf(), past) and past[0, :, 1:].all() and not past[-1, :, :1500 // block_size].any()
+    torch.testing.assert_close(got[~past], want[~past], atol=1e-5, rtol=1e-5)
+
+
+def test_a_decode_step_through_the_kernels_equals_the_cpu_step(monkeypatch):
+    """configs/tiny, 3 rows of 300-700 tokens (past the top-k budget: selection runs): the step's logits through the
+    kernels equal those through the other forms, and stay the same with the key table 3x wider."""
+    monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: False)
+    paged = PagedModel(load_model(TINY, device=DEVICE), size=2600, max_requests=4)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (300, 700, 450)]
+    kvs = [paged.kv.admit([]) for _ in prompts]
+    batch = paged.decode_batch(kvs, [int(x[-1].argmax()) for x in paged.step(kvs, prompts)])
+    want = paged.decode_step(batch)
+    monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: True)
+    assert batch.key_slots.shape[1] < 800
+    wide = dataclasses.replace(batch, key_slots=F.pad(batch.key_slots, (0, 2 * batch.key_slots.shape[1])))
+    for b in (batch, wide):
+        torch.testing.assert_close(paged.decode_step(b), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_kernel_that_raises_leaves_the_other_forms_serving(monkeypatch, caplog):
+    monkeypatch.setattr(triton_decode, "_failed", [])
+    monkeypatch.setattr(triton_decode, "_attention", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    q, k, v, key_slots, lengths = _case(torch.float32, 2, 4, 32)
+    got = torch.ops.minimax.triton_decode_attention(q, k, v, key_slots, lengths, 0.2)
+    torch.testing.assert_close(got, triton_decode._listed(q, k, v, key_slots, lengths, 0.2))
+    assert "no PTX" in caplog.text and not triton_decode.serves(torch.device("cuda"), 32)
