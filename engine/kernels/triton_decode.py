@@ -2,10 +2,11 @@
 tensor (`lengths`): the key table is as wide as the longest context and a kernel's work is each row's keys, not the
 table's width, so one captured graph per batch size serves every context length. Where Triton cannot run (CPU), and
 for good once a launch has failed, the forms over every key of the table serve (`paged_attention`, `block_scores`).
-`decode_attention` splits each row's keys over SPLITS programs (flash-decoding), each writing its part's output and
-log-sum-exp for torch to combine. The dots are float32 (`ieee`) whatever the model's dtype, in tiles of TILE keys,
-the query heads of a KV head padded to 16 rows (tl.dot's least)."""
+`decode_attention` splits each row's keys over programs (flash-decoding: about two per SM in all), each writing its
+part's output and log-sum-exp for torch to combine; in tiles of TILE keys, a KV head's query heads padded to 16 rows
+(tl.dot's least). The dots take the buffers' dtype (tensor cores in bf16; float32 exact, `ieee`), summed in float32."""
 
+import functools
 import logging
 
 import torch
@@ -21,18 +22,17 @@ except ImportError:  # (CPU builds of torch come without it)
     triton = None
 
 logger = logging.getLogger(__name__)
-SPLITS, TILE = 16, 64
+TILE = 64
 _failed: list[BaseException] = []  # (a launch that raised: the other forms from then on)
 
 
 def serves(device: torch.device, *dims: int) -> bool:
-    """Whether the kernels run on `device` for head dims `dims`: CUDA, Triton, each a power of two from 16."""
-    return triton is not None and device.type == "cuda" and not _failed and all(d >= 16 and d & (d - 1) == 0
-                                                                                 for d in dims)
+    """Whether the kernels run on `device` for dims `dims` (heads', blocks'): CUDA, Triton, powers of two from 16."""
+    return triton is not None and device.type == "cuda" and not _failed and all(d >= 16 and not d & d - 1 for d in dims)
 
 
-def usable(x: torch.Tensor, buf: torch.Tensor) -> bool:
-    return serves(x.device, x.shape[-1]) and buf.shape[-1] == x.shape[-1]
+def usable(x: torch.Tensor, buf: torch.Tensor, *dims: int) -> bool:
+    return serves(x.device, x.shape[-1], *dims) and buf.shape[-1] == x.shape[-1] and buf.is_contiguous()
 
 
 def _launch(kernel, fallback, *args):
@@ -59,7 +59,7 @@ def decode_block_scores(iq: torch.Tensor, ik_buf: torch.Tensor, key_slots: torch
     """`block_scores` of iq [B, H, D] over row r's keys j < lengths[r] (index keys ik_buf [slots, 1, D]) ->
     [B, H, ceil(N / block_size)] float32, -inf past a row's last block. Triton's kernel where it runs, else over
     the gathered index keys."""
-    if usable(iq, ik_buf):
+    if usable(iq, ik_buf, block_size):
         return _scores_op(iq, ik_buf, key_slots, lengths, block_size)
     return _gathered_scores(iq, ik_buf, key_slots, lengths, block_size)
 
@@ -88,68 +88,70 @@ def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
     return block_scores(iq[:, None], ik_buf[key_slots][:, :, 0], visible[:, None], block_size)[:, :, 0]
 
 
+@functools.cache
+def _programs(device: torch.device) -> int:  # (what a launch aims at: two programs an SM; 64 for the interpreter)
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
+
+
 def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
     (b, h, g, d), q = q.shape, q.contiguous()
-    part = torch.empty(b, h, SPLITS, g, d, dtype=torch.float32, device=q.device)
-    lse = torch.empty(b, h, SPLITS, g, dtype=torch.float32, device=q.device)
-    _attend_kernel[(b, h, SPLITS)](q, k_buf, v_buf, key_slots, lengths, part, lse, key_slots.stride(0), scale, H=h, G=g,
-                                   GP=max(16, triton.next_power_of_2(g)), D=d, SPLITS=SPLITS, TILE=TILE)
+    splits = max(1, min(64, _programs(q.device) // (b * h)))  # (a row's keys over this many programs)
+    part = torch.empty(b, h, splits, g, d, dtype=torch.float32, device=q.device)
+    lse = torch.empty(b, h, splits, g, dtype=torch.float32, device=q.device)
+    _attend_kernel[(b, h, splits)](q, k_buf, v_buf, key_slots, lengths, part, lse, key_slots.stride(0), scale, splits,
+                                   H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, TILE=TILE)
     return (torch.softmax(lse, dim=2)[..., None] * part).sum(dim=2).to(q.dtype)  # (the parts, weighted by their sums)
 
 
 def _scores(iq, ik_buf, key_slots, lengths, block_size):
     (b, h, d), nb = iq.shape, -(-key_slots.shape[1] // block_size)
-    per = triton.next_power_of_2(-(-nb // SPLITS))  # (blocks a program)
-    out = torch.empty(b, h, nb, dtype=torch.float32, device=iq.device)
-    _scores_kernel[(b, -(-nb // per))](iq.contiguous(), ik_buf, key_slots, lengths, out, key_slots.stride(0), nb,
-                                       H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=block_size, PER=per)
+    per = -(-nb // max(1, min(nb, _programs(iq.device) // b)))  # (blocks a program)
+    out = torch.full((b, h, nb), float("-inf"), device=iq.device)
+    _scores_kernel[(b, -(-nb // per))](iq.contiguous(), ik_buf, key_slots, lengths, out, key_slots.stride(0), nb, per,
+                                       H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=block_size)
     return out
 
 
-if triton is not None:
-    @triton.jit
-    def _attend_kernel(q, k, v, slots, lengths, part, lse, slot_stride, scale, H: tl.constexpr, G: tl.constexpr,
-                       GP: tl.constexpr, D: tl.constexpr, SPLITS: tl.constexpr, TILE: tl.constexpr):
+if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cores), summed in float32
+    @triton.jit(do_not_specialize=["splits"])
+    def _attend_kernel(q, k, v, slots, lengths, part, lse, slot_stride, scale, splits, H: tl.constexpr,
+                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
         r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        n = tl.load(lengths + r)
-        per = tl.cdiv(tl.cdiv(n, SPLITS), TILE) * TILE
+        n = tl.load(lengths + r).to(tl.int32)
+        per = tl.cdiv(tl.cdiv(n, splits), TILE) * TILE
         lo, hi = s * per, tl.minimum(s * per + per, n)
         g, d = tl.arange(0, GP), tl.arange(0, D)
         qv = tl.load(q + ((r * H + h) * G + g[:, None]) * D + d[None, :], mask=g[:, None] < G, other=0.0)
-        qv = qv.to(tl.float32) * scale
+        qv = (qv.to(tl.float32) * scale).to(k.dtype.element_ty)
         m, total = tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
         for start in range(lo, hi, TILE):
             j = start + tl.arange(0, TILE)
             ok = j < hi
-            at = (tl.load(slots + r * slot_stride + j, mask=ok, other=0) * H + h)[:, None] * D + d[None, :]
-            kv = tl.load(k + at, mask=ok[:, None], other=0.0).to(tl.float32)
+            at = (tl.load(slots + r * slot_stride + j, mask=ok, other=0).to(tl.int64) * H + h)[:, None] * D + d[None, :]
+            kv = tl.load(k + at, mask=ok[:, None], other=0.0)
             sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [GP, TILE]
             top = tl.maximum(m, tl.max(sc, 1))
             p, fade = tl.exp(sc - top[:, None]), tl.exp(m - top)
-            vv = tl.load(v + at, mask=ok[:, None], other=0.0).to(tl.float32)
-            acc = acc * fade[:, None] + tl.dot(p, vv, input_precision="ieee")
+            vv = tl.load(v + at, mask=ok[:, None], other=0.0)
+            acc = acc * fade[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
             total, m = total * fade + tl.sum(p, 1), top
         # (an empty part: zeros, and a log-sum-exp of -inf, its weight 0; a part with keys has a total of at least 1)
-        at = ((r * H + h) * SPLITS + s) * G + g
+        at = ((r * H + h) * splits + s) * G + g
         tl.store(part + at[:, None] * D + d[None, :], acc / tl.maximum(total, 1.0)[:, None], mask=g[:, None] < G)
         tl.store(lse + at, m + tl.log(total), mask=g < G)
 
-    @triton.jit
-    def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, H: tl.constexpr, HP: tl.constexpr,
-                       D: tl.constexpr, BS: tl.constexpr, PER: tl.constexpr):
+    @triton.jit(do_not_specialize=["per"])
+    def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, per, H: tl.constexpr, HP: tl.constexpr,
+                       D: tl.constexpr, BS: tl.constexpr):
         r, s = tl.program_id(0), tl.program_id(1)
-        n = tl.load(lengths + r)
+        n = tl.load(lengths + r).to(tl.int32)
         h, d, j = tl.arange(0, HP), tl.arange(0, D), tl.arange(0, BS)
-        qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0).to(tl.float32)
-        live = tl.minimum(s * PER + PER, tl.cdiv(n, BS))  # (blocks from there on hold no key of the row)
-        for blk in range(s * PER, live):
+        qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
+        for blk in range(s * per, tl.minimum(s * per + per, tl.cdiv(n, BS))):  # (later blocks: no key of the row)
             pos = blk * BS + j
             ok = pos < n
-            at = tl.load(slots + r * slot_stride + pos, mask=ok, other=0)[:, None] * D + d[None, :]
-            kv = tl.load(ik + at, mask=ok[:, None], other=0.0).to(tl.float32)
+            at = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)[:, None] * D + d[None, :]
+            kv = tl.load(ik + at, mask=ok[:, None], other=0.0)
             sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [HP, BS]
             tl.store(out + (r * H + h) * nb + blk, tl.max(sc, 1), mask=h < H)
-        idx = s * PER + tl.arange(0, PER)
-        tl.store(out + (r * H + h[:, None]) * nb + idx[None, :], float("-inf"),
-                 mask=(h[:, None] < H) & (idx[None, :] >= live) & (idx[None, :] < nb))

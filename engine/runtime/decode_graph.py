@@ -78,9 +78,13 @@ class DecodeGraphs:
                 one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
-        c = model.cfg
-        if device.type == "cuda" and triton_decode.serves(device, c.head_dim, *[c.index_head_dim] * c.any_sparse):
-            self.key_buckets = (max(min_keys, -(-max_keys // KEY_BUCKET) * KEY_BUCKET),)  # (any context: one graph)
+        c, wide = model.cfg, max(min_keys, -(-max_keys // KEY_BUCKET) * KEY_BUCKET)
+        if device.type == "cuda":  # (Triton's kernels built now, for the served shapes: one that fails leaves key buckets)
+            with torch.no_grad():
+                decode_step(model, pool, DecodeBatch.empty(1, wide, device))
+        if device.type == "cuda" and triton_decode.serves(device, c.head_dim, c.block_size,
+                                                          *[c.index_head_dim] * c.any_sparse):
+            self.key_buckets = (wide,)  # (any context: one graph a batch size)
         elif device.type == "cuda":
             top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
             self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
@@ -89,9 +93,9 @@ class DecodeGraphs:
             self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
 
     def key_width(self, need: int) -> int:
-        """The key-table width of a step whose longest row needs `need` keys: its key bucket."""
-        n = max(self.min_keys, -(-need // KEY_BUCKET) * KEY_BUCKET)
-        return next((k for k in self.key_buckets if k >= n), n)
+        """The key-table width of a step whose longest row needs `need` keys (on CUDA, its graph's key bucket is the
+        first at least as wide: the keys past the width are not copied in, no row reads them)."""
+        return max(self.min_keys, -(-need // KEY_BUCKET) * KEY_BUCKET)
 
     def info(self) -> dict:
         """What was captured, and how serving has used it (for /server_info)."""
@@ -133,8 +137,8 @@ class DecodeGraphs:
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits of every row: through the bucket's graph when there is one, else eager."""
-        rows, keys = batch.key_slots.shape
-        b = self.bucket(rows)
+        rows, width = batch.key_slots.shape
+        b, keys = self.bucket(rows), next((k for k in self.key_buckets if k >= width), width)
         cuda = self.device.type == "cuda"
         if b is None or b not in self._compiled or (cuda and (b, keys) not in self._cuda.graphs):
             self.eager_steps += bool(self._compiled)
