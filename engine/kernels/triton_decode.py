@@ -77,10 +77,9 @@ def _scores_op(iq, ik_buf, key_slots, lengths, block_size):
 
 
 def _listed(q, k_buf, v_buf, key_slots, lengths, scale):
-    n, h = key_slots.shape[1], k_buf.shape[1]
+    h, keep = k_buf.shape[1], (torch.arange(key_slots.shape[1], device=q.device) < lengths[:, None])[:, None, None]
     rows = key_slots[:, None, :] * h + torch.arange(h, device=q.device)[None, :, None]  # (slot * heads + head)
-    return paged_attention(q, k_buf, v_buf, rows, (torch.arange(n, device=q.device) < lengths[:, None])[:, None, None],
-                           scale)
+    return paged_attention(q, k_buf, v_buf, rows, keep, scale)
 
 
 def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):

@@ -85,16 +85,15 @@ class GatedMLP(nn.Module):
 GATHER_ROWS = 16
 
 
-@functools.cache
-@torch.compiler.assume_constant_result  # (a compiled step takes the answer as a constant: nothing traced)
-def _hopper_or_later(device: torch.device) -> bool:
+@functools.cache  # (a constant to the compiler: precompiled.py says so)
+def hopper_or_later(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
 def grouped_kernel(x: torch.Tensor) -> bool:
     """Whether torch's grouped matmul takes x without reading its group sizes on the host: on CPU (no sync to
     make), and in bfloat16 on Hopper/Blackwell GPUs (its grouped kernel; elsewhere a loop over the groups)."""
-    return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and _hopper_or_later(x.device))
+    return x.device.type == "cpu" or (x.dtype == torch.bfloat16 and hopper_or_later(x.device))
 
 
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from engine.kernels import build, moe_experts
+from engine.model import layers
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from mem_cache import MiniMaxSparseKVPool
@@ -85,7 +86,8 @@ class PrecompiledStep:
                 logger.warning("%s could not be loaded (%s): compiling again", self.path.name, e)
         # NOTE: marked on a copy: a tensor marked dynamic fails the guards at run time (batches come unmarked)
         marked = self.mark(DecodeBatch(*dataclasses.astuple(example)))  # (astuple copies the tensors)
-        torch.compiler.assume_constant_result(moe_experts.built)  # (whether the MoE kernel is built: not traced)
+        for fn in (moe_experts.built, layers.hopper_or_later.__wrapped__):  # (which MoE form runs: answers, not traced)
+            torch.compiler.assume_constant_result(fn)
         fn = torch.compile(self.step, fullgraph=True, options=dict(self.options)).aot_compile(
             ((model, pool, marked), {}))
         try:
