@@ -6,6 +6,9 @@ time: the verdict kept per batch signature), and the file's name changes with wh
 from __future__ import annotations
 
 import logging
+import subprocess
+import sys
+from pathlib import Path
 
 import torch
 from engine_utils import TINY
@@ -81,3 +84,11 @@ def test_the_key_follows_the_model_shape_and_the_pool_shape():
     assert key == graph_key("one", model, pool(256))
     assert key != graph_key("many", model, pool(256)) and key != graph_key("one", model, pool(512))
     assert key != graph_key("one", model.to(torch.float64), pool(256))
+
+
+def test_the_server_imports_no_compiler():
+    """A start that compiles nothing (CUDA graphs over the eager step; --disable-cuda-graph) skips dynamo's and
+    inductor's import (~0.5-0.9 s of a warm start): nothing the server imports pulls them in."""
+    code = "import sys, server.app; print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "[]", out.stdout
