@@ -199,6 +199,11 @@ def offline() -> dict:
     out["graphs_after"] = e._runner.graphs.info()
     out["trace"] = {f"{rows}_t{temp}": step_trace(e, rows, temp) for rows, temp in ((64, 0.0), (64, 0.8), (1, 0.0))}
     out["temp_over_greedy_64"] = round(out["rows64_t08"]["step_ms"] / out["rows64_greedy"]["step_ms"], 3)
+    # (long contexts on the graphs: a step's cost grows with its rows' keys, the graph is the same; before the Triton
+    # decode kernels a context past 8,192 keys ran eager)
+    out["long_context_step_ms"] = {f"rows{r}_keys{n}": decode_steps(e, r, 64, 0.0, prompt_len=n)["step_ms"]
+                                   for r, n in ((1, 500), (1, 8000), (1, 60000), (8, 30000))}
+    out["long_context_graphs"] = e._runner.graphs.info()
     del e
     off = engine(TINY, graphs=True, cuda_graph_bs=[64], disable_overlap_schedule=True)  # (each step read back)
     decode_steps(off, 64, 32, 0.0)
