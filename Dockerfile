@@ -8,8 +8,10 @@ FROM python:3.11-slim
 # A C/C++ compiler: inductor builds its CPU kernels and Triton its CUDA launchers with it at run time.
 RUN apt-get update && apt-get install -y --no-install-recommends gcc g++ && rm -rf /var/lib/apt/lists/*
 
-# The compile cache (decode graphs) lives here; mount a volume on it to keep restarts fast.
-ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCHINDUCTOR_CACHE_DIR=/app/.cache/inductor
+# The compile cache (decode graphs; the Triton decode kernels' builds under triton/) lives here; mount a volume on it
+# to keep restarts fast.
+ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 TORCHINDUCTOR_CACHE_DIR=/app/.cache/inductor \
+    TRITON_CACHE_DIR=/app/.cache/inductor/triton
 WORKDIR /app
 
 RUN python -m pip install torch==2.13.0
@@ -22,7 +24,7 @@ COPY configs ./configs
 
 RUN useradd --create-home --uid 1000 app && mkdir -p /app/.cache/inductor && chown -R app /app
 USER app
-# The compile cache (CPU decode graphs, C kernels): a volume, so a restarted container loads what it built (seconds)
+# The compile cache (CPU decode graphs, C kernels, Triton's builds): a volume, so a restarted container loads what it built (seconds)
 VOLUME /app/.cache/inductor
 
 EXPOSE 30000
