@@ -75,6 +75,7 @@ def test_decode_step_has_no_host_sync():
     kvs = [p.kv.admit([]) for _ in range(3)]
     p.step(kvs, [PROMPT[:400], PROMPT[:90], PROMPT[:7]])
     batch = p.decode_batch(kvs, [5, 6, 7])
+    p.decode_step(batch)  # (Triton's decode kernels built first: a step, not a first build, is what is held to it)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
