@@ -1,7 +1,6 @@
-"""Attention over the token-slot pool (model.md §2-§4): dense, block-sparse and the index-value branch, for an
-extend (one `Segment` per request) and for a fixed-shape decode step (`DecodeBatch`). Every function reads K/V
-through slot indices (a cached prefix and fresh tokens alike), after the caller has written this step's into the pool.
-"""
+"""Attention over the token-slot pool (model.md §2-§4): dense, block-sparse and the index-value branch, for an extend
+(one `Segment` per request) and for a fixed-shape decode step (`DecodeBatch`). Every function reads K/V through slot
+indices (a cached prefix and fresh tokens alike), after the caller has written this step's into the pool."""
 
 import torch
 import torch.nn.functional as F
@@ -39,11 +38,10 @@ def decode_masks(b: DecodeBatch, cfg: ModelConfig) -> tuple:
 
 def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBatch, pool: MiniMaxSparseKVPool,
             cfg: ModelConfig, masks: tuple) -> tuple[torch.Tensor, torch.Tensor | None]:
-    kind, rows = cfg.layer_kinds[layer_id], q.shape[0]
+    kind, rows, scale = cfg.layer_kinds[layer_id], q.shape[0], cfg.head_dim ** -0.5
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
     lengths, selection = masks  # [B], block_masks
     qh = q.view(rows, cfg.num_kv_heads, -1, cfg.head_dim)  # [B, n_kv, G, D]: GQA group g = head // G
-    scale = cfg.head_dim ** -0.5
     if kind == "dense":
         o = decode_attention(qh, k_buf, v_buf, b.key_slots, lengths, scale)
     else:  # NOTE: for any context length: with at most K blocks visible, all are selected (model.md §3.3)
@@ -86,9 +84,8 @@ def _causal_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, segs
 
 def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch, pool: MiniMaxSparseKVPool,
             cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    kind, segs = cfg.layer_kinds[layer_id], batch.segments
+    kind, segs, scale = cfg.layer_kinds[layer_id], batch.segments, cfg.head_dim ** -0.5
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
-    scale = cfg.head_dim ** -0.5
     # (dense-equivalent: with at most K blocks of keys, all are selected; see _decode)
     dense = tuple(i for i, s in enumerate(segs) if kind == "dense" or s.num_keys <= cfg.topk_blocks * cfg.block_size)
     o: dict[int, torch.Tensor] = {}

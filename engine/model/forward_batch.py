@@ -75,12 +75,9 @@ class ForwardBatch:
 
 @dataclass
 class DecodeBatch:
-    """A decode step as fixed-shape tensors: row r feeds `input_ids[r]` at `positions[r]` into slot
-    `out_cache_loc[r]` and attends to keys `key_slots[r, :positions[r] + 1]`.
-
-    NOTE: padding rows (a batch padded up to its graph bucket) write to slot 0, the pool's padding
-    slot, and read only from it; padding keys of a row (past its length) are masked out.
-    """
+    """A decode step as fixed-shape tensors: row r feeds `input_ids[r]` at `positions[r]` into slot `out_cache_loc[r]`
+    and attends to keys `key_slots[r, :positions[r] + 1]`. NOTE: padding rows (a batch padded up to its graph bucket)
+    write to slot 0, the pool's padding slot, and read only from it; keys past a row's length (padding) are masked"""
 
     input_ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64

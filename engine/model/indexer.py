@@ -13,8 +13,7 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
     D_I] (cached index keys), visible [R, T, V] bool for the last V keys (causal, and False on padding keys); the
     first N - V keys are visible to every query (an extend chunk's past: NOTE: masking only the chunk's own keys, a
     4k prefill's block scores cost ~3x less) -> [R, H, T, ceil(N / block_size)]."""
-    r, t, h, _ = iq.shape
-    n, pad = ik.shape[1], -ik.shape[1] % block_size
+    (r, t, h, _), n, pad = iq.shape, ik.shape[1], -ik.shape[1] % block_size
     ik = F.pad(ik.float(), (0, 0, 0, pad)) if pad else ik.float()  # (zero keys past the end, masked below)
     seen = F.pad(visible, (0, pad), value=False) if pad else visible  # [R, T, V + pad]
     scores = torch.matmul(iq.float().transpose(1, 2), ik.transpose(1, 2)[:, None])  # [R, H, T, N + pad]

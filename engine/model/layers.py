@@ -98,10 +98,9 @@ def grouped_kernel(x: torch.Tensor) -> bool:
 
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      alpha: float, limit: float) -> torch.Tensor:
-    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: each token through its k experts, as dot
-    products over the gathered weights (`moe_experts`'s math). NOTE: written as multiply-and-sum, inductor reads
-    the k experts' rows in place (one fused kernel, no gathered copy): 85 us vs 126 us per layer for an einsum
-    over `w13[ids]` (1 thread)."""
+    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: each token through its k experts, as dot products
+    over the gathered weights (`moe_experts`'s math). NOTE: as multiply-and-sum, inductor reads the k experts' rows in
+    place (one fused kernel, no gathered copy): 85 vs 126 us per layer for an einsum over `w13[ids]` (1 thread)."""
     h = swiglu_oai((x[:, None, None, :] * w13[ids]).sum(dim=-1), alpha, limit)  # [T, k, I]
     y = (h[:, :, None, :] * w2[ids]).sum(dim=-1)  # [T, k, H]
     return (y * w.to(y.dtype)[..., None]).sum(dim=1)
@@ -119,8 +118,7 @@ class MoE(nn.Module):
         # NOTE: the router weight and bias stay fp32 whatever the model dtype (model.md §7.12).
         self.router = nn.Parameter(torch.empty(e, h, dtype=torch.float32))
         self.router_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
-        self.w13 = nn.Parameter(torch.empty(e, 2 * i, h))
-        self.w2 = nn.Parameter(torch.empty(e, h, i))
+        self.w13, self.w2 = nn.Parameter(torch.empty(e, 2 * i, h)), nn.Parameter(torch.empty(e, h, i))
         self.shared = (GatedMLP(h, cfg.shared_intermediate_size, self.alpha, self.limit)
                        if cfg.shared_intermediate_size > 0 else None)
 
@@ -132,13 +130,12 @@ class MoE(nn.Module):
         return ids, w / w.sum(dim=-1, keepdim=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """MoE(x): each token through its k chosen experts only, in static-shape forms with no host sync (a
-        captured step runs them as they are). On CPU in float32 the C kernel, which groups the tokens by expert
-        itself. Else the (token, expert) pairs sorted by expert through grouped matmuls, where torch's grouped
-        kernel runs without a sync (`grouped_kernel`), and the gathered experts otherwise (float32 on CUDA, or a
-        GPU before Hopper, where the grouped matmul reads the group sizes on the host).
-        NOTE: configs/tiny layer, 2 threads, kernel vs a loop over the experts vs every expert for every token:
-        32 tokens 0.33 / 0.58 / 0.90 ms, 64 tokens 0.51 / 0.80 / 1.54 ms, 2048 tokens 12.9 / 14.1 / 86 ms."""
+        """MoE(x): each token through its k experts only, in static-shape forms with no host sync (a captured step runs
+        them as is). On CPU in float32 the C kernel (it groups tokens by expert itself). Else the (token, expert) pairs
+        sorted by expert through grouped matmuls, where torch's grouped kernel needs no sync (`grouped_kernel`), the
+        gathered experts otherwise (float32 on CUDA, or a pre-Hopper GPU: its grouped matmul reads group sizes on the
+        host). NOTE: kernel / loop over experts / all experts for all tokens, configs/tiny layer, 2 threads: 32 tokens
+        0.33 / 0.58 / 0.90 ms, 64 tokens 0.51 / 0.80 / 1.54 ms, 2048 tokens 12.9 / 14.1 / 86 ms."""
         ids, w = self.route(x)
         if on_kernel(x, self.w13, self.w2):
             routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)

@@ -16,8 +16,7 @@ from mem_cache import MiniMaxSparseKVPool
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
         super().__init__()
-        self.cfg, self.layer_id = cfg, layer_id
-        self.kind = cfg.layer_kinds[layer_id]
+        self.cfg, self.layer_id, self.kind = cfg, layer_id, cfg.layer_kinds[layer_id]
         d, di = cfg.head_dim, cfg.index_head_dim
         sparse, value = self.kind != "dense", self.kind == "sparse_index_kv"
         # Rows of the fused projection: q, k, [index q, index k], v, [index v]: the parts that are normed and

@@ -20,8 +20,7 @@ class Recipe:
     combine: Callable[[list[torch.Tensor]], torch.Tensor]
 
 
-_one = itemgetter(0)
-_rows, _cols = partial(torch.cat, dim=0), partial(torch.cat, dim=1)
+_one, _rows, _cols = itemgetter(0), partial(torch.cat, dim=0), partial(torch.cat, dim=1)
 
 
 def _stack_pairs(ts: list[torch.Tensor]) -> torch.Tensor:  # [w1_0, w3_0, w1_1, w3_1, ...] -> [E, 2I, H]
@@ -41,10 +40,8 @@ def _mlp(prefix: str, hidden: int, inter: int) -> dict[str, list[Recipe]]:
 def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
     """Our parameter name -> the recipes that can fill it, in order of preference."""
     h, d, di = cfg.hidden_size, cfg.head_dim, cfg.index_head_dim
-    out: dict[str, list[Recipe]] = {
-        "embed_tokens.weight": [_single("model.embed_tokens.weight", (cfg.vocab_size, h))],
-        "norm.weight": [_single("model.norm.weight", (h,))],
-    }
+    out: dict[str, list[Recipe]] = {"embed_tokens.weight": [_single("model.embed_tokens.weight", (cfg.vocab_size, h))],
+                                    "norm.weight": [_single("model.norm.weight", (h,))]}
     if not cfg.tie_word_embeddings:
         out["lm_head"] = [_single("lm_head.weight", (cfg.vocab_size, h))]
     for i, kind in enumerate(cfg.layer_kinds):
@@ -75,8 +72,7 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
             for name, rs in _mlp(f"{p}.mlp", h, cfg.dense_intermediate_size).items():
                 out[f"{ours}.mlp.{name}"] = rs
             continue
-        e, inter = cfg.num_experts, cfg.intermediate_size
-        m, b = f"{p}.mlp", f"{p}.block_sparse_moe"
+        e, inter, m, b = cfg.num_experts, cfg.intermediate_size, f"{p}.mlp", f"{p}.block_sparse_moe"
         out[f"{ours}.mlp.router"] = [_single(f"{b}.gate.weight", (e, h)), _single(f"{m}.gate.weight", (e, h))]
         out[f"{ours}.mlp.router_bias"] = [_single(f"{b}.e_score_correction_bias", (e,)),
                                           _single(f"{m}.gate.e_score_correction_bias", (e,))]

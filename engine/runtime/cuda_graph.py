@@ -1,19 +1,15 @@
-"""Decode steps as CUDA graphs the engine captures itself (no compiler): one graph per (batch bucket, key bucket)
-over the eager step (`decode_step`), all reading one set of static input buffers and sharing one memory pool.
-A step's shapes depend only on its buckets (rows and key table padded up to them: see `DecodeBatch`). Every
-graph is captured at warm-up, so nothing is recorded while serving. NOTE: capture costs an eager step a graph:
-seconds for all buckets, against ~50 s a graph to compile with inductor (H200, configs/tiny).
-"""
+"""Decode steps as CUDA graphs the engine captures itself (no compiler): one graph per (batch bucket, key bucket) over
+the eager step (`decode_step`), all reading one set of static input buffers and sharing one memory pool. A step's shapes
+depend only on its buckets (rows and key table padded up to them: see `DecodeBatch`). Every graph is captured at
+warm-up, so nothing is recorded while serving. NOTE: capture costs an eager step a graph: seconds for all buckets,
+against ~50 s a graph to compile with inductor (H200, configs/tiny)."""
 
 import dataclasses
-import logging
 from collections.abc import Callable
 
 import torch
 
 from engine.model.forward_batch import DecodeBatch
-
-logger = logging.getLogger(__name__)
 
 Step = Callable[[DecodeBatch], torch.Tensor]
 
@@ -21,11 +17,10 @@ Step = Callable[[DecodeBatch], torch.Tensor]
 class CudaGraphs:
     def __init__(self, step: Step, buckets: tuple[int, ...], key_buckets: tuple[int, ...],
                  device: torch.device) -> None:
-        self.step, self.buckets, self.key_buckets = step, buckets, key_buckets
+        self.step, self.buckets, self.key_buckets, self.replays = step, buckets, key_buckets, 0
         self.inputs = DecodeBatch.empty(buckets[-1], key_buckets[-1], device)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: torch.Tensor | None = None  # every graph's output rows (made at capture)
-        self.replays = 0
 
     def view(self, rows: int, keys: int) -> DecodeBatch:
         """The static inputs of the graph for (rows, keys): leading slices of the largest buffers (the key table's
@@ -45,8 +40,7 @@ class CudaGraphs:
         pool, side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            first = self.step(self.view(self.buckets[-1], self.key_buckets[-1]))
-            self.logits = torch.empty_like(first)
+            self.logits = torch.empty_like(self.step(self.view(self.buckets[-1], self.key_buckets[-1])))
             for keys in reversed(self.key_buckets):
                 for rows in reversed(self.buckets):
                     batch, graph = self.view(rows, keys), torch.cuda.CUDAGraph()
@@ -66,8 +60,7 @@ class CudaGraphs:
         padding rows zeroed (slot 0, position 0). The key columns past the batch's width keep the slots of earlier
         steps (valid slots, past every row's length: read by no kernel, masked in the other forms): a 64-row step's
         copy of a 65,536-wide table and its zeroing were ~100 MB of traffic."""
-        n, width = batch.input_ids.shape[0], batch.key_slots.shape[1]
-        view = self.view(rows, keys)
+        n, width, view = batch.input_ids.shape[0], batch.key_slots.shape[1], self.view(rows, keys)
         for f in dataclasses.fields(DecodeBatch):
             dst, src = getattr(view, f.name), getattr(batch, f.name)
             (dst[:n, :width] if dst.dim() == 2 else dst[:n]).copy_(src)

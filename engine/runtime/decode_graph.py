@@ -1,13 +1,11 @@
-"""Decode steps as captured graphs, one per batch-size bucket (SGLang's `--cuda-graph-bs`).
-
-A decode step is one function of the model, the KV pool and fixed-shape tensors (`decode_step` over a
-`DecodeBatch`) with no host sync inside. On CPU it is compiled by inductor ahead of time, twice: for batch 1,
-and with the batch size dynamic for every other bucket (the key length is dynamic in both); each graph is saved
-to disk and a later start loads it instead of tracing again (`precompiled.py`). On CUDA the engine captures the
-step as CUDA graphs itself, one per batch bucket and key bucket (`cuda_graph.py`), all at warm-up: the eager step,
-or with --enable-torch-compile the two compiled graphs, as on CPU (inductor's fused kernels; a compile). A batch
-is padded up to the next bucket (padding rows write and read only the pool's padding slot 0); one past the
-largest bucket runs eager."""
+"""Decode steps as captured graphs, one per batch-size bucket (SGLang's `--cuda-graph-bs`). A decode step is one
+function of the model, the KV pool and fixed-shape tensors (`decode_step` over a `DecodeBatch`) with no host sync
+inside. On CPU it is compiled by inductor ahead of time, twice: for batch 1, and with the batch size dynamic for every
+other bucket (the key length is dynamic in both); each graph is saved to disk and a later start loads it instead of
+tracing again (`precompiled.py`). On CUDA the engine captures the step as CUDA graphs itself, one per batch bucket
+for any context (`cuda_graph.py`; see KEY_BUCKET), all at warm-up: the eager step, or with --enable-torch-compile the
+two compiled graphs, as on CPU (inductor's fused kernels; a compile). A batch is padded up to the next bucket (padding
+rows write and read only the pool's padding slot 0); one past the largest bucket runs eager."""
 
 import dataclasses
 import logging
@@ -79,18 +77,17 @@ class DecodeGraphs:
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
         c, wide = model.cfg, max(min_keys, -(-max_keys // KEY_BUCKET) * KEY_BUCKET)
-        if device.type == "cuda":  # (Triton's kernels built now, for the served shapes: one that fails leaves key buckets)
-            with torch.no_grad():
-                decode_step(model, pool, DecodeBatch.empty(1, wide, device))
-        if device.type == "cuda" and triton_decode.serves(device, c.head_dim, c.block_size,
-                                                          *[c.index_head_dim] * c.any_sparse):
+        if device.type != "cuda":
+            return
+        with torch.no_grad():  # (Triton's kernels built now, for the served shapes: one that fails leaves key buckets)
+            decode_step(model, pool, DecodeBatch.empty(1, wide, device))
+        if triton_decode.serves(device, c.head_dim, c.block_size, *[c.index_head_dim] * c.any_sparse):
             self.key_buckets = (wide,)  # (any context: one graph a batch size)
-        elif device.type == "cuda":
+        else:
             top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
             self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
                                                 if max(min_keys, 1 << j >> 1) < top))
-        if device.type == "cuda":
-            self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
+        self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
 
     def key_width(self, need: int) -> int:
         """The key-table width of a step whose longest row needs `need` keys (on CUDA, its graph's key bucket is the
@@ -119,9 +116,7 @@ class DecodeGraphs:
         # NOTE: one compile after the other: the two graphs compiled side by side (batch 1 in a child process) made a
         # cold start slower, 94.7 / 94.6 s against 86.5 / 86.9 s (2 cores, configs/tiny, 2026-12-04)
         for i, b in enumerate(self.buckets if self._one else ()):
-            t = time.perf_counter()
-            example = DecodeBatch.empty(b, self.min_keys, self.device)
-            graph = self._graph(b)
+            t, example, graph = time.perf_counter(), DecodeBatch.empty(b, self.min_keys, self.device), self._graph(b)
             how = "same graph" if graph.prepared() else graph.prepare(self.model, self.pool, example)
             self._call(b, example)
             self._compiled.add(b)
@@ -137,9 +132,8 @@ class DecodeGraphs:
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
         """Logits of every row: through the bucket's graph when there is one, else eager."""
-        rows, width = batch.key_slots.shape
+        (rows, width), cuda = batch.key_slots.shape, self.device.type == "cuda"
         b, keys = self.bucket(rows), next((k for k in self.key_buckets if k >= width), width)
-        cuda = self.device.type == "cuda"
         if b is None or b not in self._compiled or (cuda and (b, keys) not in self._cuda.graphs):
             self.eager_steps += bool(self._compiled)
             if self.eager_steps == 1:
@@ -147,9 +141,7 @@ class DecodeGraphs:
                             "is said once)", rows, keys)
             with torch.no_grad():
                 return decode_step(self.model, self.pool, batch)
-        if cuda:
-            return self._cuda.run(batch, b, keys)
-        return self._call(b, pad(batch, b))[:rows]
+        return self._cuda.run(batch, b, keys) if cuda else self._call(b, pad(batch, b))[:rows]
 
     def _graph(self, b: int) -> PrecompiledStep:
         return self._one if b == 1 else self._many  # NOTE: a dimension of size 1 cannot be dynamic

@@ -1,15 +1,12 @@
-"""The rewrites inductor applies to the CPU batch-1 decode graph (`post_grad_custom_post_pass`, `BatchOneForms`):
-the model's ops for one row in forms inductor fuses, then its weight products as inductor's own sums.
-
-The ops: one row's `paged_attention` and `paged_block_attention` as gathers and a written-out softmax (the op's
-dispatch cost ~180 us a call; a batch-1 step makes 11), and its `moe_experts` as dot products over its k experts'
-gathered rows (`gathered_experts`), which inductor reads in place.
-
-Every one-row weight product (matrix-vector: the projections, MLPs and the LM head of a batch-1 step) written as
-a multiply-and-sum, which inductor generates itself and runs on every thread. NOTE: MKL's sgemv ran them on one
-thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms on an AVX2 machine, 2 threads,
-interleaved. Inductor's own decompose_mm_pass does this too, but also rewrites batch-1 bmm, whose sums over the
-key length then guard it."""
+"""The rewrites inductor applies to the CPU batch-1 decode graph (`post_grad_custom_post_pass`, `BatchOneForms`): the
+model's ops for one row in forms inductor fuses, then its weight products as inductor's own sums. The ops: one row's
+`paged_attention` and `paged_block_attention` as gathers and a written-out softmax (the op's dispatch cost ~180 us a
+call; a batch-1 step makes 11), and its `moe_experts` as dot products over its k experts' gathered rows
+(`gathered_experts`), which inductor reads in place. Every one-row weight product (matrix-vector: the projections, MLPs
+and the LM head of a batch-1 step) written as a multiply-and-sum, which inductor generates itself and runs on every
+thread. NOTE: MKL's sgemv ran them on one thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms
+on an AVX2 machine, 2 threads, interleaved. Inductor's own decompose_mm_pass does this too, but also rewrites batch-1
+bmm, whose sums over the key length then guard it."""
 
 from typing import Any
 
@@ -25,9 +22,9 @@ from engine.runtime.decode_graph import SUM_PIECE
 
 aten, minimax = torch.ops.aten, torch.ops.minimax
 CallFunction, KeywordArg, Match, PatternMatcherPass = pm.CallFunction, pm.KeywordArg, pm.Match, pm.PatternMatcherPass
-_PATTERNS = PatternMatcherPass(pass_name="matvec_as_reduction")
-_OPS = PatternMatcherPass(pass_name="one_row_ops")
+_PATTERNS, _OPS = PatternMatcherPass(pass_name="matvec_as_reduction"), PatternMatcherPass(pass_name="one_row_ops")
 NEG_INF = float("-inf")
+_ARGS = [KeywordArg(n) for n in ("q", "k", "v")]
 
 
 def one_row_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
@@ -48,9 +45,6 @@ def one_row_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
 def _first_one_row(match: Match) -> bool:
     x = match.kwargs["q"].meta.get("val")
     return x is not None and isinstance(x.shape[0], int) and x.shape[0] == 1
-
-
-_ARGS = [KeywordArg(n) for n in ("q", "k", "v")]
 
 
 @pm.register_graph_pattern(CallFunction(minimax.paged_attention.default, *_ARGS, KeywordArg("rows"), KeywordArg("keep"),

@@ -1,21 +1,15 @@
-"""A decode graph compiled ahead of time and kept on disk, so that a warm start loads it instead of tracing the
-model again (CPU).
-
-`torch.compile(...).aot_compile` traces a step function of (model, pool, batch) once and returns a function
-that can be saved: the model's parameters and the pool's buffers stay arguments (nothing of them is in the
-file), so one file serves every engine of the same shapes. It lands beside inductor's cache
-(`<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`), named by a hash of all it depends on (`graph_key`). NOTE: dynamo's
-trace (fake tensors, symbolic shapes) was most of a warm start: 12-25 s for the two graphs, against ~1.5 s to
-load each file.
-
-The guards dynamo built (tensor shapes and dtypes, grad mode, the config's values) decide whether a batch may
-run the graph; a batch that fails them runs eager, with a warning, and is counted (`guard_misses`). The model
-and the pool never change under a graph (the file's name hashes their shapes), so the verdict is kept per batch
-signature (`_signature`). NOTE: checked on every call, the guards walk ~1,300 entries, the model's ~130 tensors
-among them: 4 us while they sit in cache, 120-130 us after a decode step has run (configs/tiny, batch 1). Kept,
-against checked on every call, A/B in one engine: a step at batch 1 1.79 vs 1.90 ms, at 32 rows 12.5 vs
-13.0 ms, at 64 rows no difference.
-"""
+"""A decode graph compiled ahead of time and kept on disk, so that a warm start loads it instead of tracing the model
+again (CPU). `torch.compile(...).aot_compile` traces a step function of (model, pool, batch) once and returns a function
+that can be saved: the model's parameters and the pool's buffers stay arguments (nothing of them is in the file), so one
+file serves every engine of the same shapes. It lands beside inductor's cache
+(`<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`), named by a hash of all it depends on (`graph_key`). NOTE: dynamo's trace
+(fake tensors, symbolic shapes) was most of a warm start: 12-25 s for the two graphs, against ~1.5 s to load each file.
+The guards dynamo built (tensor shapes and dtypes, grad mode, the config's values) decide whether a batch may run the
+graph; a batch that fails them runs eager, with a warning, and is counted (`guard_misses`). The model and the pool never
+change under a graph (the file's name hashes their shapes), so the verdict is kept per batch signature (`_signature`).
+NOTE: checked on every call, the guards walk ~1,300 entries, the model's ~130 tensors among them: 4 us while they sit in
+cache, 120-130 us after a decode step has run (configs/tiny, batch 1). Kept, against checked on every call, A/B in one
+engine: a step at batch 1 1.79 vs 1.90 ms, at 32 rows 12.5 vs 13.0 ms, at 64 rows no difference."""
 
 import dataclasses
 import hashlib
@@ -61,8 +55,7 @@ class PrecompiledStep:
 
     def __init__(self, step: Step, options: dict[str, Any], path: Path,
                  mark: Callable[[DecodeBatch], DecodeBatch]) -> None:
-        self.step, self.options, self.path, self.mark = step, options, path, mark
-        self.guard_misses = 0
+        self.step, self.options, self.path, self.mark, self.guard_misses = step, options, path, mark, 0
         self._fn: Any = None
         self._verdicts: dict[tuple, bool] = {}  # _signature(batch) -> the guards' verdict
 
@@ -88,8 +81,7 @@ class PrecompiledStep:
         marked = self.mark(DecodeBatch(*dataclasses.astuple(example)))  # (astuple copies the tensors)
         for fn in (moe_experts.built, layers.hopper_or_later.__wrapped__):  # (which MoE form runs: answers, not traced)
             torch.compiler.assume_constant_result(fn)
-        fn = torch.compile(self.step, fullgraph=True, options=dict(self.options)).aot_compile(
-            ((model, pool, marked), {}))
+        fn = torch.compile(self.step, fullgraph=True, options={**self.options}).aot_compile(((model, pool, marked), {}))
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             fn.save_compiled_function(str(self.path))  # (written apart, then renamed: processes may race)
