@@ -33,7 +33,9 @@ def _case(dtype: torch.dtype, heads: int, group: int, dim: int, seed: int = 0):
 
 
 @pytest.mark.parametrize("heads,group,dim", [(2, 4, 32), (1, 2, 32), (4, 1, 32), (2, 24, 64), (4, 8, 128)])  # (24 > 16)
-def test_attention_kernel_equals_the_whole_table_form(heads, group, dim):
+@pytest.mark.parametrize("programs", [1, 64, 10**4])  # (a part a row and head; some; 64, the most)
+def test_attention_kernel_equals_the_whole_table_form(heads, group, dim, programs, monkeypatch):
+    monkeypatch.setattr(triton_decode, "_programs", lambda device: programs)
     q, k, v, key_slots, lengths = _case(torch.float32, heads, group, dim)
     got = triton_decode._attention(q, k, v, key_slots, lengths, dim ** -0.5)
     want = triton_decode._listed(q, k, v, key_slots, lengths, dim ** -0.5)
