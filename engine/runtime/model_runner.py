@@ -47,8 +47,9 @@ class ModelRunner:
             rows, ids, pos = (torch.tensor(x, dtype=torch.int64, device=dev) for x in
                               (batch.rows, [x[0] for x in batch.new_ids], batch.prefix_lens))
         self._last = (rows, pos)
-        keys = F.pad(table[rows, :n], (0, n - min(n, table.shape[1])))  # (past the table: padding keys, masked)
-        return DecodeBatch(ids, pos, batch.out_cache_loc.to(dev, torch.int64), keys.to(torch.int64))
+        keys = table[rows, :n].to(torch.int64)
+        keys = F.pad(keys, (0, n - keys.shape[1])) if n > keys.shape[1] else keys  # (past the table: padding, masked)
+        return DecodeBatch(ids, pos, batch.out_cache_loc.to(dev, torch.int64), keys)
 
     def sampled(self, tokens: torch.Tensor, out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Keep the tokens just sampled (on the device: a steady next step's inputs); return `out` (default: them) on
