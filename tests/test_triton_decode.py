@@ -42,6 +42,31 @@ def test_attention_kernel_equals_the_whole_table_form(heads, group, dim, program
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
+def _blocks(q_pos: torch.Tensor, heads: int, topk: int, block_size: int, g: torch.Generator) -> torch.Tensor:
+    """Each (row, head): up to topk distinct blocks up to the query's own (one past it where there is room: no key of
+    it may count), -1 in the slots left."""
+    out = torch.full((len(q_pos), heads, topk), -1)
+    for r, p in enumerate(q_pos.tolist()):
+        for h in range(heads):
+            picks = torch.randperm(p // block_size + 2, generator=g)[:topk]
+            out[r, h, :len(picks)] = picks
+    return out
+
+
+@pytest.mark.parametrize("heads,group,dim", [(2, 4, 32), (4, 8, 128)])
+@pytest.mark.parametrize("shared", [False, True])  # (decode rows; an extend chunk's queries over one sequence's keys)
+def test_block_attention_kernel_equals_the_c_kernel(heads, group, dim, shared):
+    q, k, v, key_slots, lengths = _case(torch.float32, heads, group, dim)
+    g = torch.Generator().manual_seed(3)
+    q_pos = lengths - 1
+    if shared:  # (queries at positions 700..706 of one sequence: its key slots, one row read by every query)
+        key_slots, q_pos = key_slots[:1].expand(len(q), -1), torch.arange(700, 700 + len(q), device=q.device)
+    blocks = _blocks(q_pos.cpu(), heads, 4, 64, g).to(q.device)
+    got = triton_decode._blocks(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5)
+    want = triton_decode.paged_block_attention(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
 @pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter multiplies bf16 dots' raw bits (numpy has no bf16)")
 @pytest.mark.parametrize("heads,group,dim", [(2, 4, 32), (4, 8, 128)])
 def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim):
@@ -50,6 +75,11 @@ def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim):
     exact = triton_decode._listed(q.float(), k.float(), v.float(), key_slots, lengths, dim ** -0.5)
     torch.testing.assert_close(triton_decode._attention(q, k, v, key_slots, lengths, dim ** -0.5).float(), exact,
                                atol=1e-2, rtol=1e-2)
+    q_pos, g = lengths - 1, torch.Generator().manual_seed(3)
+    blocks = _blocks(q_pos.cpu(), heads, 4, 64, g).to(q.device)
+    torch.testing.assert_close(triton_decode._blocks(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5).float(),
+                               triton_decode._blocks(q.float(), k.float(), v.float(), key_slots, blocks, q_pos, 64,
+                                                     dim ** -0.5), atol=1e-2, rtol=1e-2)
     iq, ik = q[:, 0, :2], k[:, :1]  # (bf16 products are exact in float32: the scores as the float32 form's)
     torch.testing.assert_close(triton_decode._scores(iq, ik, key_slots, lengths, 64),
                                triton_decode._gathered_scores(iq.float(), ik.float(), key_slots, lengths, 64),
@@ -83,6 +113,22 @@ def test_a_decode_step_through_the_kernels_equals_the_cpu_step(monkeypatch):
     wide = dataclasses.replace(batch, key_slots=F.pad(batch.key_slots, (0, 2 * batch.key_slots.shape[1])))
     for b in (batch, wide):
         torch.testing.assert_close(paged.decode_step(b), want, atol=1e-4, rtol=1e-4)
+
+
+def test_an_extend_through_the_block_kernel_equals_the_cpu_extend(monkeypatch):
+    """configs/tiny: a 24-token extend after a 250-token one (past the top-k budget: its queries run the block-sparse
+    chunk, each over its selected blocks of the sequence's keys, one key row read by every query): the same logits
+    through the kernel as through the C kernel."""
+    prompt = torch.randint(0, 4000, (274,), generator=torch.Generator().manual_seed(2)).tolist()
+    model, logits = load_model(TINY, device=DEVICE), []
+    for kernel in (False, True):
+        monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: False)
+        paged = PagedModel(model, size=1024, max_requests=2)
+        kvs = [paged.kv.admit([])]
+        paged.step(kvs, [prompt[:250]])
+        monkeypatch.setattr(triton_decode, "serves", lambda device, *dims, on=kernel: on)
+        logits.append(paged.step(kvs, [prompt[250:]])[0])
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
 def test_a_kernel_that_raises_leaves_the_other_forms_serving(monkeypatch, caplog):

@@ -1,10 +1,11 @@
-"""Decode attention and the indexer's block scores on CUDA as Triton kernels that read each row's key count from a
-tensor (`lengths`): the key table is as wide as the longest context and a kernel's work is each row's keys, not the
-table's width, so one captured graph per batch size serves every context length. Where Triton cannot run (CPU), and
-for good once a launch has failed, the forms over every key of the table serve (`paged_attention`, `block_scores`).
-`decode_attention` splits each row's keys over programs (flash-decoding: about two per SM in all), each writing its
-part's output and log-sum-exp for torch to combine; in tiles of TILE keys, a KV head's query heads padded to 16 rows
-(tl.dot's least). The dots take the buffers' dtype (tensor cores in bf16; float32 exact, `ieee`), summed in float32."""
+"""Decode attention, the indexer's block scores and block-sparse attention on CUDA as Triton kernels. The first two
+read each row's key count from a tensor (`lengths`): the key table is as wide as the longest context and a kernel's
+work is each row's keys, so one captured graph per batch size serves every context length. Where Triton cannot run
+(CPU), and for good once a launch has failed, the other forms serve (`paged_attention`, `block_scores`,
+`paged_block_attention`). `decode_attention` splits a row's keys over programs (flash-decoding: ~two per SM in all),
+each writing its part's output and log-sum-exp for torch to combine; `block_attention` walks a query's selected
+blocks in place (the other form gathers them: ~14 kernels a call). Keys in tiles (TILE, or a block), a KV head's query
+heads padded to 16 rows (tl.dot's least), dots in the buffers' dtype (bf16: tensor cores; float32 exact, `ieee`)."""
 
 import functools
 import logging
@@ -12,7 +13,7 @@ import logging
 import torch
 
 from engine.kernels.operator import operator
-from engine.kernels.paged_attention import paged_attention
+from engine.kernels.paged_attention import paged_attention, paged_block_attention
 from engine.model.indexer import block_scores
 
 try:
@@ -39,7 +40,7 @@ def _launch(kernel, fallback, *args):
     try:
         return kernel(*args)
     except Exception as e:  # noqa: BLE001 - serving goes on, on the other forms
-        logger.exception("Triton's %s failed: the form over the whole key table runs from now on (%s)", kernel.__name__, e)
+        logger.exception("Triton's %s failed: the other form runs from now on (%s)", kernel.__name__, e)
         _failed.append(e)
         return fallback(*args)
 
@@ -56,12 +57,25 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 def decode_block_scores(iq: torch.Tensor, ik_buf: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
                         block_size: int) -> torch.Tensor:
-    """`block_scores` of iq [B, H, D] over row r's keys j < lengths[r] (index keys ik_buf [slots, 1, D]) ->
-    [B, H, ceil(N / block_size)] float32, -inf past a row's last block. Triton's kernel where it runs, else over
-    the gathered index keys."""
+    """`block_scores` of iq [B, H, D] over row r's keys j < lengths[r] (index keys ik_buf [slots, 1, D]) -> [B, H,
+    ceil(N / block_size)] float32, -inf past a row's last block: Triton's kernel where it runs, else gathered keys."""
     if usable(iq, ik_buf, block_size):
         return _scores_op(iq, ik_buf, key_slots, lengths, block_size)
     return _gathered_scores(iq, ik_buf, key_slots, lengths, block_size)
+
+
+def block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
+                    blocks: torch.Tensor, q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+    """`paged_block_attention` (its arguments and result): Triton's kernel where it runs, else that op."""
+    if usable(q, k_buf, block_size):
+        return _blocks_op(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
+    return paged_block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
+
+
+@operator("triton_block_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor blocks, "
+          "Tensor q_pos, int block_size, float scale) -> Tensor")
+def _blocks_op(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
+    return _launch(_blocks, paged_block_attention, q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
 
 
 @operator("triton_decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor lengths, "
@@ -71,7 +85,8 @@ def _attention_op(q, k_buf, v_buf, key_slots, lengths, scale):
 
 
 @operator("triton_block_scores(Tensor iq, Tensor ik_buf, Tensor key_slots, Tensor lengths, int block_size) -> Tensor",
-          fake=lambda iq, ik, slots, lengths, bs: iq.new_empty(*iq.shape[:2], -(-slots.shape[1] // bs), dtype=torch.float32))
+          fake=lambda iq, ik, slots, lengths, bs: iq.new_empty(*iq.shape[:2], -(-slots.shape[1] // bs),
+                                                               dtype=torch.float32))
 def _scores_op(iq, ik_buf, key_slots, lengths, block_size):
     return _launch(_scores, _gathered_scores, iq, ik_buf, key_slots, lengths, block_size)
 
@@ -110,6 +125,14 @@ def _scores(iq, ik_buf, key_slots, lengths, block_size):
     out = torch.full((b, h, nb), float("-inf"), device=iq.device)
     _scores_kernel[(b, -(-nb // per))](iq.contiguous(), ik_buf, key_slots, lengths, out, key_slots.stride(0), nb, per,
                                        H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=block_size)
+    return out
+
+
+def _blocks(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
+    (b, h, g, d), out = q.shape, torch.empty_like(q)
+    _block_kernel[(b, h)](q.contiguous(), k_buf, v_buf, key_slots, blocks.contiguous(), q_pos.contiguous(), out,
+                          key_slots.stride(0), scale, blocks.shape[-1], H=h, G=g, GP=max(16, triton.next_power_of_2(g)),
+                          D=d, BS=block_size)
     return out
 
 
@@ -156,3 +179,29 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
             kv = tl.load(ik + at, mask=ok[:, None], other=0.0)
             sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [HP, BS]
             tl.store(out + (r * H + h) * nb + blk, tl.max(sc, 1), mask=h < H)
+
+    @triton.jit
+    def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, H: tl.constexpr, G: tl.constexpr,
+                      GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+        r, h = tl.program_id(0), tl.program_id(1)
+        last = tl.load(q_pos + r)
+        g, d, j = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BS)
+        at = ((r * H + h) * G + g[:, None]) * D + d[None, :]
+        qv = (tl.load(q + at, mask=g[:, None] < G, other=0.0).to(tl.float32) * scale).to(k.dtype.element_ty)
+        m, total = tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32)
+        acc = tl.zeros([GP, D], tl.float32)
+        for i in range(0, nb):  # (the selected blocks; -1: unused, no key)
+            blk = tl.load(blocks + (r * H + h) * nb + i)
+            pos = blk * BS + j
+            ok = (pos >= 0) & (pos <= last)  # (a block of -1: negative positions)
+            slot = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)
+            kat = (slot * H + h)[:, None] * D + d[None, :]
+            kv = tl.load(k + kat, mask=ok[:, None], other=0.0)
+            sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [GP, BS]
+            top = tl.maximum(m, tl.max(sc, 1))
+            top = tl.where(top == float("-inf"), 0.0, top)  # (no key yet: exp(-inf) = 0, not -inf - -inf)
+            p, fade = tl.exp(sc - top[:, None]), tl.exp(m - top)
+            vv = tl.load(v + kat, mask=ok[:, None], other=0.0)
+            acc = acc * fade[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
+            total, m = total * fade + tl.sum(p, 1), tl.maximum(m, tl.max(sc, 1))
+        tl.store(out + at, (acc / tl.maximum(total, 1.0)[:, None]).to(out.dtype.element_ty), mask=g[:, None] < G)

@@ -5,8 +5,7 @@ indices (a cached prefix and fresh tokens alike), after the caller has written t
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.paged_attention import paged_block_attention
-from engine.kernels.triton_decode import decode_attention, decode_block_scores
+from engine.kernels.triton_decode import block_attention, decode_attention, decode_block_scores
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import block_masks, block_scores, select_blocks
@@ -62,7 +61,7 @@ def sparse_attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key
     key_slots [R, N]: each query's key slots (rows of one sequence may share one)."""
     rows, n_kv = q.shape[0], k_buf.shape[1]
     qh = q.view(rows, n_kv, -1, q.shape[-1])
-    return paged_block_attention(qh, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale).reshape(rows, -1)
+    return block_attention(qh, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale).reshape(rows, -1)
 
 
 # ---- extend: each request a chunk of queries (a `Segment`) -----------------------------------------------------
