@@ -129,8 +129,9 @@ def _scores(iq, ik_buf, key_slots, lengths, block_size):
 
 
 def _blocks(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
-    (b, h, g, d), out = q.shape, torch.empty_like(q)
-    _block_kernel[(b, h)](q.contiguous(), k_buf, v_buf, key_slots, blocks.contiguous(), q_pos.contiguous(), out,
+    (b, h, g, d), q = q.shape, q.contiguous()
+    out = torch.empty_like(q)  # (contiguous, as the kernel writes it)
+    _block_kernel[(b, h)](q, k_buf, v_buf, key_slots, blocks.contiguous(), q_pos.contiguous(), out,
                           key_slots.stride(0), scale, blocks.shape[-1], H=h, G=g, GP=max(16, triton.next_power_of_2(g)),
                           D=d, BS=block_size)
     return out
