@@ -93,10 +93,11 @@ def test_ops_per_decode_step_do_not_grow_with_rows(temperature):
     assert many == few, (few, many)
 
 
+# Views and allocations launch nothing (nor does `contiguous` of a contiguous tensor; one that copies dispatches a clone)
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "transpose", "t", "unsqueeze", "squeeze",
              "permute", "as_strided", "alias", "split", "split_with_sizes", "detach", "unbind", "unflatten", "flatten",
-             "empty", "empty_like", "empty_strided", "new_empty"}  # (views and allocations launch nothing)
-KERNEL_BUDGET = 600  # configs/tiny: 576 at 2026-12-05 with Triton's decode kernels (670 gathering; 1,169 before)
+             "empty", "empty_like", "empty_strided", "new_empty", "contiguous"}
+KERNEL_BUDGET = 580  # configs/tiny: 559 at 2026-12-05 with Triton's decode kernels (670 gathering; 1,169 before)
 
 
 class _Kernels(TorchDispatchMode):
