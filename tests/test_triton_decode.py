@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,7 @@ from engine.model.loader import load_model
 from tests.forward_utils import PagedModel
 
 pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")
+triton = triton_decode.triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LENGTHS = [1, 63, 64, 65, 700, 1024, 1536]  # (one key; a tile's edges; parts of 64 keys and of more; the whole table)
@@ -67,9 +69,25 @@ def test_block_attention_kernel_equals_the_c_kernel(heads, group, dim, shared):
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
-@pytest.mark.skipif(DEVICE == "cpu", reason="Triton's interpreter multiplies bf16 dots' raw bits (numpy has no bf16)")
+@pytest.fixture
+def bf16_dots(monkeypatch):
+    """Triton's interpreter multiplies a bf16 dot's raw bits (numpy has no bf16: it keeps them as uint16); here they
+    are widened to float32 first, as a GPU's bf16 dot multiplies exactly and sums in float32."""
+    if DEVICE == "cpu":
+        from triton.runtime import interpreter
+
+        real = interpreter.InterpreterBuilder.create_dot
+
+        def wide(x):
+            return interpreter.TensorHandle((x.data.astype(np.uint32) << 16).view(np.float32), triton.language.float32) \
+                if x.dtype == triton.language.bfloat16 else x
+
+        monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot",
+                            lambda self, a, b, *rest: real(self, wide(a), wide(b), *rest))
+
+
 @pytest.mark.parametrize("heads,group,dim", [(2, 4, 32), (4, 8, 128)])
-def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim):
+def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim, bf16_dots):
     q, k, v, key_slots, lengths = (x.bfloat16() if x.is_floating_point() else x for x in _case(torch.float32, heads,
                                                                                                 group, dim))
     exact = triton_decode._listed(q.float(), k.float(), v.float(), key_slots, lengths, dim ** -0.5)
@@ -80,7 +98,7 @@ def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim):
     torch.testing.assert_close(triton_decode._blocks(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5).float(),
                                triton_decode._blocks(q.float(), k.float(), v.float(), key_slots, blocks, q_pos, 64,
                                                      dim ** -0.5), atol=1e-2, rtol=1e-2)
-    iq, ik = q[:, 0, :2], k[:, :1]  # (bf16 products are exact in float32: the scores as the float32 form's)
+    iq, ik = q[:, 0, :2], k[:, :1].contiguous()  # (bf16 products are exact in float32: as the float32 form's)
     torch.testing.assert_close(triton_decode._scores(iq, ik, key_slots, lengths, 64),
                                triton_decode._gathered_scores(iq.float(), ik.float(), key_slots, lengths, 64),
                                atol=1e-4, rtol=1e-5)
