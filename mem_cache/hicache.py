@@ -101,8 +101,7 @@ class DiskStore:
         """Write the whole pages of `tokens` (their KV in `host_slots`) not written yet; the bytes written."""
         done = 0
         for p, key in enumerate(self.keys(tokens) if self.writable else []):
-            path = self.dir / key.hex()
-            if path.exists():
+            if (path := self.dir / key.hex()).exists():
                 continue
             rows, tmp = host_slots[p * PAGE:(p + 1) * PAGE], path.with_suffix(f".{os.getpid()}.tmp")
             body = self.host.data.index_select(0, rows).numpy().tobytes()
@@ -194,8 +193,7 @@ class HiCache:
         if self.disk is not None:
             start, pages, keys = found // PAGE * PAGE, [], self.disk.keys(tokens)[found // PAGE:]
             for i, key in enumerate(keys):
-                page = self._alloc(PAGE, node)
-                if page is None:
+                if (page := self._alloc(PAGE, node)) is None:
                     break
                 if not (read := self.disk.read(key, page)):
                     self.host.allocator.free(page)

@@ -53,9 +53,8 @@ class ReqToTokenPool:
             assert self._last_index is not None and len(parts) == self._last_index.numel(), "not the last write's rows"
             index = self._last_index + 1
         else:
-            counts = [n for _, _, n in parts]
-            if sum(counts) != slots.numel():
-                raise ValueError(f"ReqToTokenPool.write: {slots.numel()} slots for {sum(counts)} positions")
+            if (total := sum(n for _, _, n in parts)) != slots.numel():
+                raise ValueError(f"ReqToTokenPool.write: {slots.numel()} slots for {total} positions")
             for row, start, n in parts:
                 if not 0 <= row < self.size:
                     raise ValueError(f"ReqToTokenPool.write: request slot {row} is out of range [0, {self.size})")
@@ -181,8 +180,7 @@ class KVCacheManager:
     def allocate(self, parts: Sequence[tuple[ReqKV, int]], steady: bool = False) -> torch.Tensor:
         """Give each request its next `n` slots (evicting if needed), written to its row after the ones it
         has. Returns all new slots in order (the step's out_cache_loc). `steady`: see `ReqToTokenPool.write`."""
-        total = sum(n for _, n in parts)
-        if not self.can_allocate(total):
+        if not self.can_allocate(total := sum(n for _, n in parts)):
             raise PoolExhaustedError(f"KVCacheManager: {total} slots asked, {self.room()} free or evictable "
                                      "(ask can_allocate() first)")
         self.radix.evict(total - self.allocator.available_size())  # (a no-op unless short of free slots)

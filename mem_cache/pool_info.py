@@ -32,8 +32,7 @@ class BufferLocation:
 
 def validate_layer_kinds(layer_kinds: Sequence[str]) -> tuple[str, ...]:
     """Return `layer_kinds` as a tuple; an unknown kind or an empty list -> ValueError naming it."""
-    kinds = tuple(layer_kinds)
-    if not kinds:
+    if not (kinds := tuple(layer_kinds)):
         raise ValueError("layer_kinds is empty: a pool needs at least one layer")
     for i, kind in enumerate(kinds):
         if kind not in LAYER_KINDS:
@@ -118,8 +117,7 @@ class SparsePoolInfoMixin:
 
     def buffer(self, layer_id: int, buffer: str) -> torch.Tensor:
         """The tensor of one buffer of one layer, `[size + 1, heads, dim]`; `MissingBufferError` if it lacks it."""
-        loc = self.buffer_location(layer_id, buffer)
-        if loc is None:
+        if (loc := self.buffer_location(layer_id, buffer)) is None:
             raise self._missing_buffer_error(layer_id, buffer)
         get = loc.pool.get_key_buffer if buffer in ("key", "index_key") else loc.pool.get_value_buffer
         return get(loc.local_layer_id)

@@ -65,8 +65,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
 
     # ---- index K: both sparse groups; index V: sparse_index_kv only -------------------------------
     def _index_route(self, layer_id: int, buffer: str, accessor: str) -> BufferLocation:
-        loc = self.buffer_location(layer_id, buffer)
-        if loc is not None:
+        if (loc := self.buffer_location(layer_id, buffer)) is not None:
             return loc
         owners = self.layers_with(buffer)
         what = "an index key buffer" if buffer == "index_key" else "an index value buffer"

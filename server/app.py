@@ -69,8 +69,7 @@ class BodyLimit:
             return await self._refuse(path, send)
         chunks, seen = [], 0
         while True:
-            msg = await receive()
-            if msg["type"] != "http.request":  # the client left before sending its whole body
+            if (msg := await receive())["type"] != "http.request":  # the client left before sending its whole body
                 return
             body = msg.get("body", b"")
             seen += len(body)

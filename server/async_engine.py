@@ -33,8 +33,7 @@ class EngineDeadError(RuntimeError):
 
 def merge(a: RequestOutput, b: RequestOutput) -> RequestOutput:
     """One output carrying the deltas of `a` then `b` (and `b`'s counts and finish)."""
-    lp = a.logprobs
-    if lp is not None and b.logprobs is not None:
+    if (lp := a.logprobs) is not None and b.logprobs is not None:
         lp.extend(b.logprobs)
     return RequestOutput(b.rid, a.new_ids + b.new_ids, a.new_text + b.new_text, lp, b.completion_tokens,
                          b.prompt_tokens, b.cached_tokens, b.finished, b.finish_reason, b.num_retractions, b.error)
@@ -115,8 +114,7 @@ class AsyncEngine:
         self._thread.join(timeout=10)
         gc.unfreeze()  # (what the warm-up froze is the collector's again: an embedding process goes on)
         while self._calls:
-            done = self._calls.popleft()[1]
-            if done.set_running_or_notify_cancel():
+            if (done := self._calls.popleft()[1]).set_running_or_notify_cancel():
                 done.set_exception(EngineDeadError("the engine has stopped"))
 
     @property
@@ -171,8 +169,7 @@ class AsyncEngine:
         for out in outs:
             if self.observer is not None:
                 self.observer(out, now)
-            route = self._routes.get(out.rid)
-            if route is not None:
+            if (route := self._routes.get(out.rid)) is not None:
                 route[0].put_nowait(route[1], out)
                 if out.finished:
                     del self._routes[out.rid]

@@ -96,11 +96,9 @@ class Metrics:
         self._reqs.update({rid: _ReqTimes(now) for rid in rids})
 
     def observe(self, out: RequestOutput, now: float) -> None:
-        t = self._reqs.get(out.rid)
-        if t is None:  # not submitted through AsyncEngine (e.g. an engine-internal request)
+        if (t := self._reqs.get(out.rid)) is None:  # not submitted through AsyncEngine (e.g. engine-internal)
             return
-        new = out.completion_tokens - t.seen_tokens
-        if new > 0:
+        if (new := out.completion_tokens - t.seen_tokens) > 0:
             if t.last_token is None:
                 self.ttft.observe(now - t.arrival)
                 self.queue_time.observe(now - t.arrival)

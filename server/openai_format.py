@@ -177,8 +177,7 @@ def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
         raise ApiError(400, "continue_final_message needs the last message to have role 'assistant'.")
     sentinel = f"<<continue-{uuid.uuid4().hex}>>"
     rendered = render([*messages[:-1], {**messages[-1], "content": sentinel}], False)
-    cut = rendered.find(sentinel)
-    if cut < 0:
+    if (cut := rendered.find(sentinel)) < 0:
         raise ApiError(400, "the chat template drops the final message's content; cannot continue it.")
     content = messages[-1]["content"]
     if isinstance(content, list):

@@ -128,8 +128,7 @@ def document_request_bodies(schema: dict[str, Any]) -> None:
     themselves (Content-Type check, OpenAI error envelope), so FastAPI cannot see the models."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
-        op = schema.get("paths", {}).get(path, {}).get("post")
-        if op is None:
+        if (op := schema.get("paths", {}).get(path, {}).get("post")) is None:
             continue
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, sub in body.pop("$defs", {}).items():

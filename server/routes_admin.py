@@ -28,8 +28,7 @@ HEALTH_TIMEOUT_S = 20.0
 @router.get("/health_generate")
 async def health_generate(request: Request) -> Response:
     """One greedy token from `input_ids=[0]`: 200 if the engine answers within 20 s, else 503."""
-    state = server_state(request)
-    if not state.healthy:
+    if not (state := server_state(request)).healthy:
         return Response(status_code=503)
     req = NewRequest([0], SamplingParams(max_new_tokens=1, temperature=0.0), rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
     sub = Submission(state.async_engine, [req], "/health_generate")
@@ -81,8 +80,7 @@ async def server_info(request: Request) -> dict[str, Any]:
 
 
 def _state_warn_if_deprecated(request: Request) -> ServerState:
-    path = request.url.path
-    if path.startswith("/get_"):
+    if (path := request.url.path).startswith("/get_"):
         logger.warning("%s is deprecated; use %s", path, path.removeprefix("/get"))
     return server_state(request)
 
@@ -126,8 +124,7 @@ async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
 
 @router.get("/metrics")
 async def metrics(request: Request) -> Response:
-    m = server_state(request).metrics
-    if m is None:
+    if (m := server_state(request).metrics) is None:
         return error_response(request, 404, "metrics are disabled; start the server with --enable-metrics")
     return Response(m.render(), media_type=CONTENT_TYPE)
 

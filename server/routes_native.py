@@ -77,8 +77,7 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
     """The engine requests of a /generate body, and whether the response is one object, not a list (one prompt
     given as a scalar, n == 1); raises BadRequest for shape and batch errors."""
     prompts, scalar = _prompts(req, tok)
-    k = len(prompts)
-    if k == 0:
+    if (k := len(prompts)) == 0:
         raise BadRequest("The batch is empty: give at least one prompt.")
     raws = _per_prompt("sampling_params", req.sampling_params, k, 1, {})
     if scalar and isinstance(req.sampling_params, list) and len(req.sampling_params) != 1:

@@ -37,8 +37,7 @@ async def list_models(request: Request) -> dict[str, Any]:
 
 @router.get("/v1/models/{model_id:path}")
 async def retrieve_model(model_id: str, request: Request) -> Response:
-    state = server_state(request)
-    if model_id == state.args.model_name:
+    if model_id == (state := server_state(request)).args.model_name:
         return JSONResponse(_model_card(state))
     return JSONResponse(status_code=404, content={"error": {"message": f"The model '{model_id}' does not exist",
         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
@@ -47,8 +46,7 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
 # ---- what both generation routes share ----------------------------------------------------------------
 async def _parse(request: Request, model: type[M]) -> M:
     """The JSON body as `model`; anything else (wrong Content-Type, bad JSON, bad types) is a 400."""
-    ctype = request.headers.get("content-type", "")
-    if media_type(ctype) != "application/json":
+    if media_type(ctype := request.headers.get("content-type", "")) != "application/json":
         raise ApiError(400, not_json_message(ctype))
     try:
         return model.model_validate_json(await request.body())

@@ -149,8 +149,7 @@ async def sse_frames(sub: Submission, frame: Any, error: Any, head: Iterable[str
         for text in head:
             yield text
         async for i, out in sub.outputs():
-            text = frame(i, out)
-            if text is not None:
+            if (text := frame(i, out)) is not None:
                 yield text
                 # NOTE: a real suspension per frame: with the client gone, a backlog is otherwise sent
                 # without ever suspending, and the disconnect (a cancellation) waits for all of it.

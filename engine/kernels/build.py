@@ -55,9 +55,8 @@ def library(source: Path, defines: tuple[str, ...] = ()) -> Path:
 
 
 def load(source: Path, defines: tuple[str, ...] = ()) -> ctypes.CDLL:
-    """The library built from `source` (built now if this machine has not yet), with extra `defines`
-    ("-DNAME=value": a test builds the vector width this CPU would not choose); raises OSError or
-    subprocess.CalledProcessError if it cannot be built or loaded."""
+    """The library built from `source` (built now if not cached) with extra `defines` ("-DNAME=value": a test builds a
+    vector width this CPU would not choose); OSError or subprocess.CalledProcessError if building or loading fails."""
     cc, flags, lib = os.environ.get("CC", "gcc"), FLAGS + defines, library(source, defines)
     if not lib.exists():
         lib.parent.mkdir(parents=True, exist_ok=True)

@@ -42,8 +42,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.
                 alpha: float, limit: float) -> torch.Tensor:
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: x [T, H], ids and w [T, k], w13
     [E, 2I, H] (gate rows first), w2 [E, H, I]. An opaque op: a compiled graph calls it as it is."""
-    lib = kernel() if all(t.device.type == "cpu" for t in (x, ids, w, w13, w2)) else None
-    if lib is None:
+    if not all(t.device.type == "cpu" for t in (x, ids, w, w13, w2)) or (lib := kernel()) is None:
         raise ValueError("moe_experts runs on CPU with the C kernel built (see on_kernel)")
     return run(lib, x, ids, w, w13, w2, alpha, limit)
 

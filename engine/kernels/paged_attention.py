@@ -1,9 +1,8 @@
 """`minimax::paged_attention`: attention of a few queries per row over keys read through slot indices, and
 `minimax::paged_block_attention`: the same over the keys of selected blocks (block-sparse attention). On CPU in float32
-they run paged_attention.c, which reads each key and value in place from the pool; elsewhere (CUDA, other dtypes, or no
-C compiler) it gathers the keys and values (index_select) and calls SDPA. NOTE: the C kernel against the gather and
-SDPA, 2 threads, contiguous slots per row: 64 rows x 2 KV heads x 256 keys 0.48 vs 1.36 ms, 8 rows 0.05 vs 0.15 ms, 1
-row 0.013 vs 0.085 ms."""
+they run paged_attention.c, which reads each key and value in place from the pool; elsewhere (CUDA, other dtypes, no C
+compiler) SDPA runs over gathered keys and values (index_select). NOTE: C kernel vs gather + SDPA, 2 threads, contiguous
+slots per row: 64 rows x 2 KV heads x 256 keys 0.48 vs 1.36 ms, 8 rows 0.05 vs 0.15 ms, 1 row 0.013 vs 0.085 ms."""
 
 import ctypes
 import functools
@@ -53,8 +52,7 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
     """softmax_j(q . k_j * scale) v_j over the kept keys, read straight from the pool. q [B, H, G, D]: the G query heads
     of KV head h act as G queries over its keys (GQA); rows [B, H, N]: each key's row of a buffer viewed as [slots *
     heads, D] (slot * heads + head); keep [B, H or 1, 1, N]. An opaque op: a compiled graph calls it as it is."""
-    lib = _on_cpu_kernel(q, k_buf, v_buf)
-    if lib is None:
+    if (lib := _on_cpu_kernel(q, k_buf, v_buf)) is None:
         return gather_sdpa(q, k_buf, v_buf, rows, keep, scale)
     return in_place(lib.paged_decode_attention, q, k_buf, v_buf, rows, keep, scale)
 
@@ -99,8 +97,7 @@ def paged_block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Ten
     """`paged_attention` of q [R, H, G, D] over the keys of row r's selected blocks blocks[r, h] [K] (-1: unused) at
     positions up to q_pos[r]; key j of row r is slot key_slots[r, j] ([R, N]; rows may share one sequence's). NOTE: the
     C kernel walks the blocks itself: no [R, H, K*B] rows or mask built (a 256-query extend chunk: 0.95 of 3.5 ms)."""
-    lib = _on_cpu_kernel(q, k_buf, v_buf)
-    if lib is None:
+    if (lib := _on_cpu_kernel(q, k_buf, v_buf)) is None:
         rows, keep = block_rows(key_slots, blocks, q_pos, block_size)
         return gather_sdpa(q, k_buf, v_buf, rows, keep[:, :, None], scale)
     q, blocks, q_pos = q.contiguous(), blocks.contiguous(), q_pos.contiguous()

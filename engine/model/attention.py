@@ -11,8 +11,7 @@ from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import block_masks, block_scores, select_blocks
 from mem_cache import MiniMaxSparseKVPool
 
-# Queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks.
-QUERY_CHUNK = 256
+QUERY_CHUNK = 256  # queries per chunk of a long sparse extend: bounds the [heads, queries, keys] scores and masks
 # Keys an extend's dense attention gathers at once (requests in runs up to it; a longer one alone): requests that share
 # a long cached prefix each gather their own copy of it (64 on a 65k-token prefix: ~2 GB at once for configs/tiny).
 GATHER_KEYS = 16384

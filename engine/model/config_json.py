@@ -1,8 +1,7 @@
-"""config.json -> ModelConfig, from either shape (spec model.md §1):
+"""config.json -> ModelConfig, from either shape (model.md §1), maybe inside a multimodal config's `text_config`:
 - the original MiniMax shape: a `sparse_attention_config` dict and `moe_layer_freq`;
 - the transformers-native shape (`model_type: minimax_m3_vl_text`): flat `index_*` keys,
-  `layer_types`, `mlp_layer_types` and `rope_parameters`.
-Either may be wrapped in a multimodal config's `text_config`."""
+  `layer_types`, `mlp_layer_types` and `rope_parameters`."""
 
 import json
 import logging
@@ -108,8 +107,7 @@ def _moe_layers(d: dict[str, Any], shape: str, n: int) -> tuple[bool, ...]:
         for t in types:
             _require(t in ("sparse", "dense"), "mlp_layer_types", f"entries must be 'sparse' or 'dense', got {t!r}")
         return tuple(i < len(types) and types[i] == "sparse" for i in range(n))
-    freq = d.get("moe_layer_freq")
-    if freq is None:
+    if (freq := d.get("moe_layer_freq")) is None:
         return (True,) * n
     if isinstance(freq, int):  # an integer frequency: every freq-th layer is MoE
         _require(freq >= 1, "moe_layer_freq", f"must be >= 1, got {freq}")
@@ -162,9 +160,7 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
 
 def load_config(model_path: str | Path) -> ModelConfig:
     """Read `<model_path>/config.json` (or a config.json path) into a ModelConfig."""
-    path = Path(model_path)
-    if path.is_dir():
-        path = path / "config.json"
+    path = Path(model_path, "config.json") if Path(model_path).is_dir() else Path(model_path)
     if not path.is_file():
         raise ConfigError(f"config.json not found at {path}")
     try:

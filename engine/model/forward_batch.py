@@ -28,9 +28,8 @@ class Segment:
         return self.first_pos + self.queries
 
     def causal_bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """[queries, N] additive mask: 0 where query t may see key j (j <= first_pos + t), -inf elsewhere.
-        NOTE: built once per segment and dtype, for every dense and index-value layer (the 2048 x 4096 mask of a
-        chunked 4k prefill: ~20-40 ms each time)."""
+        """[queries, N] additive mask: 0 where query t sees key j (j <= first_pos + t), else -inf. NOTE: made once per
+        segment and dtype for all dense and index-value layers (a chunked 4k prefill's 2048 x 4096 mask: ~20-40 ms)."""
         if dtype not in self._bias:
             full = torch.full((self.queries, self.num_keys), float("-inf"), dtype=dtype, device=self.slots.device)
             self._bias[dtype] = full.triu_(self.first_pos + 1)

@@ -1,6 +1,5 @@
-"""Building blocks of the decoder (model.md §2): Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI MLP, MoE. Parameters
-are stored in the fused layout the forward pass wants (gate|up fused, experts as 3-D tensors); loader.py converts
-both checkpoint layouts into it."""
+"""The decoder's building blocks (model.md §2): Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI MLP, MoE. Parameters are in
+the forward pass's fused layout (gate|up fused, experts as 3-D tensors); loader.py converts both checkpoint layouts."""
 
 import functools
 

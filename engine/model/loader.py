@@ -38,15 +38,13 @@ def _index_files(model_dir: Path) -> dict[str, tuple[Path, str]]:
     if index.is_file():
         files = {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     else:
-        shards = sorted(model_dir.glob("*.safetensors"))
-        if not shards:
+        if not (shards := sorted(model_dir.glob("*.safetensors"))):
             raise CheckpointError(f"no *.safetensors files in {model_dir} (use load_format='dummy' for random weights)")
         files = {}
         for shard in shards:
             with safe_open(str(shard), "pt") as f:
                 files.update({k: shard for k in f.keys()})
-    quantized = [k for k in files if k.endswith("weight_scale_inv")]
-    if quantized:
+    if quantized := [k for k in files if k.endswith("weight_scale_inv")]:
         raise CheckpointError(f"quantized checkpoints are not supported (found {quantized[0]!r})")
     return {nk: (f, k) for k, f in files.items() if (nk := _normalize(k)) is not None}
 
@@ -63,12 +61,9 @@ def load_weights(model: MiniMaxM3Model, model_dir: Path) -> None:
             handles[path] = safe_open(str(path), "pt")
         return handles[path].get_tensor(raw)
 
-    params = dict(model.named_parameters())
-    used: set[str] = set()
-    missing: list[str] = []
+    params, used, missing = dict(model.named_parameters()), set(), []
     for name, options in recipes(model.cfg).items():
-        recipe = next((r for r in options if all(k in available for k, _ in r.keys)), None)
-        if recipe is None:
+        if (recipe := next((r for r in options if all(k in available for k, _ in r.keys)), None)) is None:
             if name.endswith("router_bias") and not model.cfg.use_routing_bias:
                 continue  # no correction bias: the zeros it was built with stay
             absent = [k for k, _ in options[0].keys if k not in available]
@@ -85,8 +80,7 @@ def load_weights(model: MiniMaxM3Model, model_dir: Path) -> None:
             params[name].copy_(recipe.combine(tensors).to(params[name].dtype))
     if missing:
         raise CheckpointError("checkpoint is missing tensors for: " + "; ".join(missing))
-    unexpected = sorted(raw_name[k] for k in available if k not in used)
-    if unexpected:
+    if unexpected := sorted(raw_name[k] for k in available if k not in used):
         shown = ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
         raise CheckpointError(f"checkpoint has {len(unexpected)} unexpected tensors: {shown}")
 

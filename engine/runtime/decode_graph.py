@@ -76,7 +76,7 @@ class DecodeGraphs:
                 one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
-        c, wide = model.cfg, max(min_keys, -(-max_keys // KEY_BUCKET) * KEY_BUCKET)
+        c, wide = model.cfg, self.key_width(max_keys)
         if device.type != "cuda":
             return
         with torch.no_grad():  # (Triton's kernels built now, for the served shapes: one that fails leaves key buckets)
@@ -176,8 +176,7 @@ def _marked(batch: DecodeBatch) -> DecodeBatch:
 
 def pad(batch: DecodeBatch, rows: int) -> DecodeBatch:
     """`batch` with padding rows (`DecodeBatch.empty`'s) appended up to `rows`."""
-    extra = rows - batch.input_ids.shape[0]
-    if extra == 0:
+    if (extra := rows - batch.input_ids.shape[0]) == 0:
         return batch
     z = DecodeBatch.empty(extra, batch.key_slots.shape[1], batch.input_ids.device)
     return DecodeBatch(*(torch.cat([getattr(batch, f.name), getattr(z, f.name)]) for f in dataclasses.fields(z)))

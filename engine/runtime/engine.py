@@ -57,8 +57,7 @@ class Engine:
         `max_sequences` bounds the samples of the whole call (the server's --max-batch-size)."""
         for r in reqs:
             validate(r, self.limits)
-        total = sum(r.params.n for r in reqs)
-        if max_sequences is not None and total > max_sequences:
+        if max_sequences is not None and (total := sum(r.params.n for r in reqs)) > max_sequences:
             raise ValueError(f"This request asks for {total} sequences ({len(reqs)} prompts x n={reqs[0].params.n}); "
                              f"this server allows at most {max_sequences} per request (--max-batch-size).")
         with self._cond:
@@ -162,8 +161,7 @@ class Engine:
         """Sample the requests' next tokens on the device; what `_read_back` takes (nothing is read here)."""
         for r in (r for r in reqs if r.params.max_new_tokens == 0):
             self._end(r, {"type": "length", "length": 0})
-        live = [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]
-        if not live:
+        if not (live := [i for i, r in enumerate(reqs) if r.params.max_new_tokens != 0]):
             return None
         reqs, logits = [reqs[i] for i in live], take_rows(logits, live)
         suppress = [r.stop.suppressed(len(r.output_ids) + r.inflight) for r in reqs]

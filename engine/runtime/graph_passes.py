@@ -30,10 +30,9 @@ _ARGS = [KeywordArg(n) for n in ("q", "k", "v")]
 def one_row_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor,
                       keep: torch.Tensor, scale: float) -> torch.Tensor:
     """`paged_attention` of one query row, written out. NOTE: the max and the sum run in two levels (N/SUM_PIECE x
-    SUM_PIECE): inductor's CPU code sums more than 4096 floats another way and guards the length on it, so a
-    one-level sum split the graph at 4096 keys (a recompile mid-serving). Written out this way the batch-1 step is
-    1.8-2.3 ms against 2.6 ms through SDPA, and against 2.3-2.5 ms with the padding left to the max and the sum
-    instead of sliced off (configs/tiny, 320 keys)."""
+    SUM_PIECE): inductor's CPU code sums over 4096 floats another way, guarding the length on it, so a one-level sum
+    split the graph at 4096 keys (a recompile mid-serving). Written so, the batch-1 step is 1.8-2.3 ms, against 2.6 ms
+    through SDPA and 2.3-2.5 ms with the padding left to the max and sum, not sliced off (configs/tiny, 320 keys)."""
     d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
     s = F.pad((q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece),

@@ -26,7 +26,6 @@ class RidTable:
         """Forget finished rids (an n > 1 request with its last sample)."""
         for rid in rids:
             self.live.discard(rid)
-            group = self.member.get(rid)
-            if group is not None and not any(r in self.live for r in self.group[group]):
+            if (group := self.member.get(rid)) is not None and not any(r in self.live for r in self.group[group]):
                 for r in self.group.pop(group):
                     self.member.pop(r, None)

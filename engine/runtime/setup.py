@@ -25,8 +25,7 @@ CPU_KV_BYTES = 512 << 20
 def resolve_device(device: str | None) -> torch.device:
     if device in (None, "auto"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
+    if (dev := torch.device(device)).type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was given but CUDA is not available")
     return dev
 
@@ -81,8 +80,7 @@ def kv_pool_tokens(args: EngineArgs, model: MiniMaxM3Model, dtype: torch.dtype, 
         return args.max_total_tokens
     budget = args.kv_cache_bytes
     if budget is None and device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        budget = int(free * args.mem_fraction_static)
+        budget = int(torch.cuda.mem_get_info(device)[0] * args.mem_fraction_static)
     budget, c = budget or CPU_KV_BYTES, model.cfg
     return MiniMaxSparseKVPool.size_for_budget(budget, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
                                                c.index_head_dim, dtype)
@@ -133,8 +131,7 @@ def build_components(args: EngineArgs
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
     device = resolve_device(args.device)
     if device.type == "cpu":  # (the C kernels, CPU-only, built or found in the cache now: not in a first request)
-        threads = choose_threads(args.num_threads)
-        if threads != torch.get_num_threads():
+        if (threads := choose_threads(args.num_threads)) != torch.get_num_threads():
             logger.info("%d CPU threads (%s)", threads, "--num-threads" if args.num_threads else
                         f"{torch.get_num_threads() - threads} of {torch.get_num_threads()} cores busy at start")
             torch.set_num_threads(threads)

@@ -50,9 +50,8 @@ class StopChecker:
                 self._held, self.done = "", True
                 return {"type": "stop", "matched": s}
         self._add(delta)
-        if self.at_length(n_out, n_total - n_out):  # (n_out is max_new_tokens when that is what ends it)
-            return self.finish({"type": "length", "length": n_out})
-        return None
+        # (n_out is max_new_tokens when that is what ends it)
+        return self.finish({"type": "length", "length": n_out}) if self.at_length(n_out, n_total - n_out) else None
 
     def finish(self, reason: dict[str, Any] | None) -> dict[str, Any] | None:
         """Release everything (held text and any incomplete character) and return `reason`."""

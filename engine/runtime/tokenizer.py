@@ -24,8 +24,7 @@ class ChatTemplateError(ValueError):
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
-    data = json.loads(path.read_text(encoding="utf-8"))
-    if not isinstance(data, dict):
+    if not isinstance(data := json.loads(path.read_text(encoding="utf-8")), dict):
         raise ValueError(f"{path}: expected a JSON object")
     return data
 
@@ -55,8 +54,7 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.add_bos_token, self.add_eos_token = (bool(cfg.get(k, False)) for k in ("add_bos_token", "add_eos_token"))
 
-        gen_eos = gen.get("eos_token_id")
-        eos_ids = {gen_eos} if isinstance(gen_eos, int) else set(gen_eos or ())
+        eos_ids = {gen_eos} if isinstance(gen_eos := gen.get("eos_token_id"), int) else set(gen_eos or ())
         if self.eos_token_id is not None:
             eos_ids.add(self.eos_token_id)
         elif eos_ids:
@@ -73,8 +71,7 @@ class Tokenizer:
     def from_dir(cls, path: str | os.PathLike[str], chat_template: str | None = None) -> Tokenizer:
         """Load from a directory holding `tokenizer.json` (+ optional HF config files)."""
         root = Path(path)
-        tok_file = root / "tokenizer.json"
-        if not tok_file.is_file():
+        if not (tok_file := root / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {root}")
         return cls(_HFTokenizer.from_file(str(tok_file)), _read_json(root / "tokenizer_config.json"),
                    _read_json(root / "generation_config.json"), chat_template)
