@@ -138,6 +138,20 @@ def _blocks(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
 
 
 if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cores), summed in float32
+    @triton.jit
+    def _tile(qv, k, v, at, ok, m, total, acc):
+        """Online softmax over a tile of keys (elements `at` of k and v; `ok`: the kept ones): the running max m, sum
+        and output acc [G, D] of the queries qv [G, D] after it. A tile with no kept key, before any, changes nothing
+        (its base is 0, not -inf: exp(-inf - -inf) would be nan)."""
+        kv = tl.load(k + at, mask=ok[:, None], other=0.0)
+        sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [G, keys]
+        top = tl.maximum(m, tl.max(sc, 1))
+        base = tl.where(top == float("-inf"), 0.0, top)
+        p, fade = tl.exp(sc - base[:, None]), tl.exp(m - base)
+        vv = tl.load(v + at, mask=ok[:, None], other=0.0)
+        acc = acc * fade[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
+        return top, total * fade + tl.sum(p, 1), acc
+
     @triton.jit(do_not_specialize=["splits"])
     def _attend_kernel(q, k, v, slots, lengths, part, lse, slot_stride, scale, splits, H: tl.constexpr,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
@@ -154,13 +168,7 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
             j = start + tl.arange(0, TILE)
             ok = j < hi
             at = (tl.load(slots + r * slot_stride + j, mask=ok, other=0).to(tl.int64) * H + h)[:, None] * D + d[None, :]
-            kv = tl.load(k + at, mask=ok[:, None], other=0.0)
-            sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [GP, TILE]
-            top = tl.maximum(m, tl.max(sc, 1))
-            p, fade = tl.exp(sc - top[:, None]), tl.exp(m - top)
-            vv = tl.load(v + at, mask=ok[:, None], other=0.0)
-            acc = acc * fade[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
-            total, m = total * fade + tl.sum(p, 1), top
+            m, total, acc = _tile(qv, k, v, at, ok, m, total, acc)
         # (an empty part: zeros, and a log-sum-exp of -inf, its weight 0; a part with keys has a total of at least 1)
         at = ((r * H + h) * splits + s) * G + g
         tl.store(part + at[:, None] * D + d[None, :], acc / tl.maximum(total, 1.0)[:, None], mask=g[:, None] < G)
@@ -196,13 +204,5 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
             pos = blk * BS + j
             ok = (pos >= 0) & (pos <= last)  # (a block of -1: negative positions)
             slot = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)
-            kat = (slot * H + h)[:, None] * D + d[None, :]
-            kv = tl.load(k + kat, mask=ok[:, None], other=0.0)
-            sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [GP, BS]
-            top = tl.maximum(m, tl.max(sc, 1))
-            top = tl.where(top == float("-inf"), 0.0, top)  # (no key yet: exp(-inf) = 0, not -inf - -inf)
-            p, fade = tl.exp(sc - top[:, None]), tl.exp(m - top)
-            vv = tl.load(v + kat, mask=ok[:, None], other=0.0)
-            acc = acc * fade[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
-            total, m = total * fade + tl.sum(p, 1), tl.maximum(m, tl.max(sc, 1))
+            m, total, acc = _tile(qv, k, v, (slot * H + h)[:, None] * D + d[None, :], ok, m, total, acc)
         tl.store(out + at, (acc / tl.maximum(total, 1.0)[:, None]).to(out.dtype.element_ty), mask=g[:, None] < G)

@@ -1,8 +1,8 @@
 """Decode steps as CUDA graphs the engine captures itself (no compiler): one graph per (batch bucket, key bucket) over
-the eager step (`decode_step`), all reading one set of static input buffers and sharing one memory pool. A step's shapes
-depend only on its buckets (rows and key table padded up to them: see `DecodeBatch`). Every graph is captured at
-warm-up, so nothing is recorded while serving. NOTE: capture costs an eager step a graph: seconds for all buckets,
-against ~50 s a graph to compile with inductor (H200, configs/tiny)."""
+the eager step (`decode_step`), all reading one set of static input buffers and sharing one memory pool. A graph's
+shapes are its buckets' (a step's rows padded up to them, its key table copied into the bucket's: see `run`). Every
+graph is captured at warm-up, so nothing is recorded while serving. NOTE: capture costs an eager step a graph: seconds
+for all buckets, against ~50 s a graph to compile with inductor (H200, configs/tiny)."""
 
 import dataclasses
 from collections.abc import Callable

@@ -76,9 +76,9 @@ class DecodeGraphs:
                 one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
-        c, wide = model.cfg, self.key_width(max_keys)
         if device.type != "cuda":
             return
+        c, wide = model.cfg, self.key_width(max_keys)
         with torch.no_grad():  # (Triton's kernels built now, for the served shapes: one that fails leaves key buckets)
             decode_step(model, pool, DecodeBatch.empty(1, wide, device))
         if triton_decode.serves(device, c.head_dim, c.block_size, *[c.index_head_dim] * c.any_sparse):
