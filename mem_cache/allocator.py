@@ -59,24 +59,20 @@ class TokenSlotAllocator:
                 raise ValueError(f"TokenSlotAllocator.free: slot {int(slots[not_owned][0])} is not allocated "
                                  "(double free?)")
         self._allocated[slots] = False
-        # NOTE: the free list stays sorted, so a request's slots come out consecutive whenever the
-        # pool allows it, and a long prefill reads its K/V as a view instead of gathering. (A host tier's slots
-        # are only copied: it skips the sort, a CPU sort of its whole free list at every free.)
+        # NOTE: the free list stays sorted, so a request's slots come out consecutive when the pool allows, and a long
+        # prefill reads its K/V as a view, not a gather (a host tier's slots, only copied, skip the sort).
         free = torch.cat([self._free, slots])
         self._free = torch.sort(free).values if self.keep_sorted else free
 
     def is_allocated(self, slots: torch.Tensor) -> bool:
-        """Whether every slot of `slots` is currently handed out."""
         slots = slots.reshape(-1).to(device=self.device, dtype=torch.int64)
         return bool(((slots >= 1) & (slots <= self.size)).all()) and bool(self._allocated[slots].all())
 
     def clear(self) -> None:
-        """Free every slot."""
         self._allocated.zero_()
         self._free = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
 
     def check_integrity(self) -> bool:
-        """No duplicate or out-of-range free slot, none both free and allocated, free + used == size."""
         free = self._free
         assert torch.unique(free).numel() == free.numel(), "TokenSlotAllocator: free list holds duplicate slots"
         if free.numel():

@@ -35,12 +35,11 @@ def _remove(path: Path) -> None:
 
 
 class HostKVPool:
-    """Host memory for every device buffer, token-major: host slot s is row s of `data` ([size + 1, words per
-    token], row 0 unused), each buffer's bytes in turn: a copy either way is one transfer (on CUDA one sync), a disk
-    page its rows as they lie. A word is the widest integer type dividing every buffer's bytes per token (NOTE:
-    index_select / index_copy_ copy element by element: 1,919 rows of 5,248 bytes gathered in 0.2 ms as int64
-    against 3.2 as bytes). Not pinned (a transfer's host end is a gathered or scattered copy of rows), and left
-    uninitialized (a row is read only after it is written): its resident memory grows with what it holds."""
+    """Host memory for every device buffer, token-major: host slot s is row s of `data` ([size + 1, words per token],
+    row 0 unused), each buffer's bytes in turn: a copy either way is one transfer (on CUDA one sync), a disk page its
+    rows as they lie. A word is the widest integer type dividing every buffer's bytes per token (NOTE: index_select /
+    index_copy_ go element by element: 0.2 ms as int64 vs 3.2 as bytes). Not pinned (a transfer's host end is a gathered
+    or scattered copy of rows), uninitialized (a row is read only once written): resident memory grows with use."""
 
     def __init__(self, pool: Any, size: int) -> None:
         self.buffers, self.bytes_per_token_by_kind = pool_buffers(pool), pool.bytes_per_token_by_kind()
@@ -138,9 +137,8 @@ class DiskStore:
 
 
 class HiCache:
-    """The tiers below the device: a radix tree over host slots (LRU within its size), optionally disk pages. `save`
-    copies down the tokens of a prefix the host lacks; `match` finds the longest prefix the host holds, disk pages
-    brought up first. Either policy saves what the device evicts; write-through also every prefix it takes in."""
+    """`save` copies down the tokens of a prefix the host lacks; `match` finds the longest prefix the host holds, disk
+    pages brought up first. Either policy saves what the device evicts; write-through also every prefix it takes in."""
 
     def __init__(self, pool: Any, size: int, write_policy: str = "write_through", storage_dir: str | None = None,
                  fingerprint: str = "") -> None:
@@ -186,8 +184,7 @@ class HiCache:
             self._to_disk(tokens, slots)
 
     def match(self, tokens: list[int]) -> tuple[torch.Tensor, TreeNode, int]:
-        """Host slots of the longest prefix of `tokens` found below the device, its node (locked: `unlock` it) and how
-        many of its tokens came from disk."""
+        """Host slots of `tokens`' longest prefix below the device, its node (locked: `unlock` it), tokens from disk."""
         slots, node = self.tree.match_prefix(tokens)
         found = slots.numel()
         if self.disk is not None:
@@ -237,7 +234,6 @@ class HiCache:
                 "storage_dir": str(self.disk.dir) if self.disk else None, "moved_bytes": dict(self.moved_bytes)}
 
     def check_integrity(self) -> bool:
-        """The host tree's invariants, and every host slot free or the tree's, none locked between steps."""
         assert self.tree.check_integrity() and self.host.allocator.check_integrity()
         assert self.tree.protected_size() == 0, f"HiCache: {self.tree.protected_size()} host tokens left locked"
         used, held = self.host.allocator.used_size(), self.tree.total_size()

@@ -30,14 +30,12 @@ class ReqToTokenPool:
         return len(self._free)
 
     def alloc(self) -> int:
-        """Take a request slot. Raises `PoolExhaustedError` if none is free."""
         if not self._free:
             raise PoolExhaustedError(f"ReqToTokenPool: all {self.size} request slots are in use (raise "
                                      "--max-running-requests or wait for requests to finish; ask available_size())")
         return self._free.pop(0)
 
     def free(self, row: int) -> None:
-        """Return a request slot. Out of range or not allocated -> `ValueError`."""
         if not 0 <= row < self.size:
             raise ValueError(f"ReqToTokenPool.free: request slot {row} is out of range [0, {self.size})")
         if row in self._free:
@@ -46,9 +44,8 @@ class ReqToTokenPool:
 
     def write(self, parts: Sequence[tuple[int, int, int]], slots: torch.Tensor, steady: bool = False) -> None:
         """For each (row, start, n), `req_to_token[row, start:start + n]` = the next n of `slots`. `steady`: the last
-        write's rows, each a position further (a decode step after one of the same requests): its index is the last plus
-        one, on the device (no index from a Python list: a host-to-device copy a step). NOTE: one scatter for all parts:
-        a decode step's writes 15 / 32 / 56 us at 1 / 32 / 64 rows, vs 10 / 250 / 640 us row by row (2 threads)."""
+        write's rows, each a position further (a decode step after one of the same requests): the index is the last plus
+        one, on the device. NOTE: one scatter for all parts: 56 vs 640 us row by row at 64 rows."""
         if steady:
             assert self._last_index is not None and len(parts) == self._last_index.numel(), "not the last write's rows"
             index = self._last_index + 1
@@ -73,7 +70,6 @@ class ReqToTokenPool:
         self.req_to_token[row, :slots.numel()] = slots
 
     def check_integrity(self) -> bool:
-        """The free list holds distinct request slots in range (every other slot is in use)."""
         assert len(set(self._free)) == len(self._free), "ReqToTokenPool: free list holds duplicate request slots"
         assert all(0 <= i < self.size for i in self._free), "ReqToTokenPool: free list holds out-of-range slots"
         return True
@@ -92,29 +88,18 @@ class ReqKV:
 
 
 class KVCacheManager:
-    """With a `hicache` (the host and disk tiers), what the device tree evicts is saved below it, and a prefix found
-    there is loaded back into new device slots at admission."""
+    """With a `hicache` (host, disk tiers), device-tree evictions are saved below it; prefixes found there load back."""
 
     def __init__(self, size: int, max_requests: int, context_len: int, device: str | torch.device = "cpu",
                  disable_radix_cache: bool = False, hicache: HiCache | None = None) -> None:
         if hicache is not None and disable_radix_cache:
             raise ValueError("the hierarchical cache keeps the prefix cache's evictions: it needs the radix cache on")
-        self.allocator = TokenSlotAllocator(size, device)
+        self.allocator, self.size = TokenSlotAllocator(size, device), size  # (size: allocatable token slots)
         self.req_to_token, self.hicache = ReqToTokenPool(max_requests, context_len, device), hicache
+        self.table = self.req_to_token.req_to_token  # (row, position) -> slot, int32 (attention reads it)
         self.radix = RadixCache(self.allocator, disable_radix_cache, hicache.save if hicache else None)
         self._live: set[ReqKV] = set()
         self.hit_tokens = Counter(device=0, host=0, disk=0, miss=0)  # prefix tokens per tier found, by released reqs
-
-    # ---- questions ------------------------------------------------------------------------------------
-    @property
-    def size(self) -> int:
-        """Allocatable token slots."""
-        return self.allocator.size
-
-    @property
-    def table(self) -> torch.Tensor:
-        """The [max_requests, context_len] int32 table: row, position -> slot (attention reads it)."""
-        return self.req_to_token.req_to_token
 
     def free_slots(self) -> int:
         return self.allocator.available_size()
@@ -126,7 +111,6 @@ class KVCacheManager:
         return self.radix.total_size()
 
     def room(self) -> int:
-        """Slots an allocation could get now: free ones plus what eviction would free."""
         return self.allocator.available_size() + self.radix.evictable_size()
 
     def can_admit(self) -> bool:
@@ -140,12 +124,10 @@ class KVCacheManager:
 
     def slots(self, kv: ReqKV) -> torch.Tensor:
         """The request's slots, position by position (a view of its table row: read, do not write)."""
-        return self.req_to_token.req_to_token[kv.row, :kv.num_computed]
+        return self.table[kv.row, :kv.num_computed]
 
-    # ---- actions ---------------------------------------------------------------------------------------
     def admit(self, prefix_ids: Sequence[int]) -> ReqKV:
-        """A row for a new request and the longest cached prefix of `prefix_ids` (locked); the caller
-        passes only the tokens it may take from the cache."""
+        """A row for a new request and the longest cached prefix (locked) of `prefix_ids`, the tokens it may take."""
         row = self.req_to_token.alloc()
         slots, node = self.radix.match_prefix(prefix_ids)
         self.radix.inc_lock_ref(node)
@@ -215,9 +197,7 @@ class KVCacheManager:
             self.hicache.flush()
         return True
 
-    # ---- invariants ------------------------------------------------------------------------------------
     def check_integrity(self) -> bool:
-        """free + owned by requests + held by the tree == size, no slot owned twice, one row per request."""
         assert self.allocator.check_integrity() and self.req_to_token.check_integrity()
         assert self.radix.check_integrity() and (self.hicache is None or self.hicache.check_integrity())
         both = torch.cat([*(self.slots(kv)[kv.cached:].to(torch.int64) for kv in self._live), self.radix.all_slots()])

@@ -6,7 +6,6 @@ from mem_cache.errors import KOnlyPoolError, LayerIdError
 
 
 def check_layer_id(layer_id: int, num_layers: int, where: str = "", global_ids: list[int] | None = None) -> None:
-    """LayerIdError unless 0 <= layer_id < num_layers; the message names the valid range."""
     if 0 <= layer_id < num_layers:
         return
     if global_ids is None or global_ids == list(range(num_layers)):
@@ -33,16 +32,10 @@ class MHATokenToKVPool:
             raise ValueError(f"{cls} '{name}': {len(ids)} global_layer_ids given for layer_num={layer_num}")
         self.size, self.dtype, self.device, self.name = size, dtype, torch.device(device), name
         self.head_num, self.head_dim, self.layer_num, self.global_layer_ids = head_num, head_dim, layer_num, ids
-        self.k_buffer = [self._new_buffer() for _ in range(layer_num)]
+        self.buffer_shape = (size + 1, head_num, head_dim)
+        self.k_buffer = [torch.zeros(self.buffer_shape, dtype=dtype, device=self.device) for _ in range(layer_num)]
         if self.has_value_buffer:
-            self.v_buffer = [self._new_buffer() for _ in range(layer_num)]
-
-    @property
-    def buffer_shape(self) -> tuple[int, int, int]:
-        return (self.size + 1, self.head_num, self.head_dim)
-
-    def _new_buffer(self) -> torch.Tensor:
-        return torch.zeros(self.buffer_shape, dtype=self.dtype, device=self.device)
+            self.v_buffer = [torch.zeros(self.buffer_shape, dtype=dtype, device=self.device) for _ in range(layer_num)]
 
     def check_layer(self, layer_id: int) -> None:
         check_layer_id(layer_id, self.layer_num, f"{type(self).__name__} '{self.name}': ", self.global_layer_ids)
@@ -79,19 +72,16 @@ class MHATokenToKVPool:
         return [*self.k_buffer, *getattr(self, "v_buffer", [])]
 
     def bytes_per_token(self) -> int:
-        """Bytes one token slot costs across all layers of this pool."""
         per_layer = (2 if self.has_value_buffer else 1) * self.head_num * self.head_dim
         return self.layer_num * per_layer * self.dtype.itemsize
 
     def total_bytes(self) -> int:
-        """Real allocated bytes: numel * element_size over every tensor this pool holds."""
         return sum(t.numel() * t.element_size() for t in self.tensors())
 
 
 class MHATokenToKOnlyPool(MHATokenToKVPool):
-    """Per local layer only a K buffer: the index keys of score-only sparse layers (`sparse_disable_index_value`:
-    V is never read, so never allocated). Every V accessor raises `KOnlyPoolError` naming the layer and the
-    accessor to use instead; generic code checks `has_value_buffer` (False here)."""
+    """Per local layer a K buffer only: index keys of score-only sparse layers (`sparse_disable_index_value`: V is never
+    read or allocated). V accessors raise `KOnlyPoolError`; generic code checks `has_value_buffer`."""
 
     has_value_buffer: bool = False
 

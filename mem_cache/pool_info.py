@@ -31,7 +31,6 @@ class BufferLocation:
 
 
 def validate_layer_kinds(layer_kinds: Sequence[str]) -> tuple[str, ...]:
-    """Return `layer_kinds` as a tuple; an unknown kind or an empty list -> ValueError naming it."""
     if not (kinds := tuple(layer_kinds)):
         raise ValueError("layer_kinds is empty: a pool needs at least one layer")
     for i, kind in enumerate(kinds):
@@ -46,9 +45,7 @@ def check_buffer_name(buffer: str) -> None:
 
 
 def elements_per_token(kind: str, head_num: int, head_dim: int, index_head_dim: int) -> int:
-    """Cached elements per token for ONE layer of `kind` (model.md §5): main K and V, and its index buffers."""
-    if kind not in KIND_BUFFERS:
-        raise ValueError(f"unknown layer kind {kind!r}; valid kinds are {list(LAYER_KINDS)}")
+    """Cached elements per token for ONE layer of a known `kind` (model.md §5): main K and V, and its index buffers."""
     return 2 * head_num * head_dim + index_head_dim * len(KIND_BUFFERS[kind] - {"key", "value"})
 
 
@@ -69,7 +66,6 @@ class SparsePoolInfoMixin:
     _routes: list[dict[str, BufferLocation | None]]
 
     def layer_kind(self, layer_id: int) -> str:
-        """ "dense" | "sparse_index_kv" | "sparse_k_only"."""
         check_layer_id(layer_id, self.num_layers)
         return self.layer_kinds[layer_id]
 
@@ -140,16 +136,12 @@ class SparsePoolInfoMixin:
         if kind == SPARSE_K_ONLY:  # the only buffer a K-only layer lacks is index_value
             msg = (f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K lives in "
                    f"MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the index keys; {tail}")
-        elif kind == DENSE:
+        else:  # dense (NOTE: KIND_BUFFERS gives a sparse_index_kv layer every buffer)
             msg = (f"layer {layer_id} is a dense layer: it has no indexer, so it has only buffers 'key' and "
                    f"'value' (in {self.main_pool.name}). Use buffer 'key' / 'value' for its attention K/V; {tail}")
-        else:  # NOTE: unreachable while KIND_BUFFERS gives sparse_index_kv every buffer
-            msg = f"layer {layer_id} ({kind}) has no buffer '{buffer}'; {tail}"
         return MissingBufferError(msg, layer_id, buffer)
 
     def check_integrity(self) -> bool:
-        """Every layer has the buffers of its kind, each routed to a local layer that maps back to it, with the
-        shape, dtype and device the pool says; no V in a pool without V; `AssertionError` on the first fault."""
         for pool in self.sub_pools():
             assert pool.has_value_buffer or not hasattr(pool, "v_buffer"), f"'{pool.name}': a K-only pool holds V"
             assert (pool.size, pool.dtype) == (self.size, self.dtype), f"'{pool.name}': size/dtype not the parent's"

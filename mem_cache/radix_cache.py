@@ -1,7 +1,5 @@
 """RadixCache: a prefix tree from token-id sequences to KV token slots, shared across requests."""
 
-from __future__ import annotations
-
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -19,9 +17,9 @@ class TreeNode:
     node_id: int
     key: list[int]
     value: torch.Tensor  # NOTE: value[i] is the slot holding the KV of key[i]
-    parent: TreeNode | None
+    parent: "TreeNode | None"
     last_access: int
-    children: dict[int, TreeNode] = field(default_factory=dict)
+    children: "dict[int, TreeNode]" = field(default_factory=dict)
     lock_ref: int = 0
 
     def __repr__(self) -> str:
@@ -30,12 +28,10 @@ class TreeNode:
 
 
 class RadixCache:
-    """Prefix cache over the token-slot allocator, with reference counts and LRU eviction. A slot is owned by exactly
-    one of: the allocator (free), the tree, or one request. `match_prefix` hands out the tree's own slots; the caller
-    locks the returned node while using them (`inc_lock_ref`) and hands the request's KV over with `cache_finished_req`,
-    which frees its slots for tokens the tree already holds. LRU time is a logical clock (one tick per match or insert),
-    so eviction order is deterministic. `disable=True`: a cache holding nothing. `on_evict(token_ids, slots)` sees each
-    evicted leaf's whole prefix (from the root) before its slots are freed, for a lower tier to copy."""
+    """Prefix cache over the token-slot allocator: reference counts and LRU eviction. `match_prefix` hands out the
+    tree's own slots; the caller locks the node (`inc_lock_ref`) while using them, then passes the request's KV to
+    `cache_finished_req`, which frees its copies of tokens the tree holds. LRU time is a logical clock (a tick per match
+    or insert). `disable=True`: holds nothing. `on_evict(token_ids, slots)` sees an evicted leaf's prefix first."""
 
     def __init__(self, allocator: TokenSlotAllocator, disable: bool = False,
                  on_evict: Callable[[list[int], torch.Tensor], None] | None = None) -> None:
@@ -67,8 +63,7 @@ class RadixCache:
         return self._cat([n.value for n in self.nodes()])
 
     def match_prefix(self, token_ids: Sequence[int]) -> tuple[torch.Tensor, TreeNode]:
-        """Slots of the longest cached prefix of `token_ids` and the node where the match ends (a node
-        the match ends inside is split there). Lock the node before anything can evict."""
+        """Slots of `token_ids`' longest cached prefix, its end node (split if the match ends inside): lock it first."""
         if self.disable:
             return self._empty(), self.root
         node, _, values = self._descend(list(token_ids), split_inside=True)
@@ -99,7 +94,6 @@ class RadixCache:
             n.lock_ref += 1
 
     def dec_lock_ref(self, node: TreeNode) -> None:
-        """Undo one `inc_lock_ref(node)`."""
         path = self._path(node)
         if any(n.lock_ref <= 0 for n in path):
             raise RuntimeError(f"RadixCache: {node} is not locked (unbalanced dec_lock_ref)")
@@ -146,7 +140,6 @@ class RadixCache:
         self._evictable = 0
 
     def check_integrity(self) -> bool:
-        """No slot twice, every tree slot allocated, lock counts monotone, tracked sizes exact."""
         ev = pr = 0
         for node in self.nodes():
             p = node.parent
@@ -163,7 +156,6 @@ class RadixCache:
         assert self.allocator.is_allocated(slots), "RadixCache: a tree slot is free in the allocator"
         return True
 
-    # ---- internals ---------------------------------------------------------------------------------
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
 
@@ -185,9 +177,8 @@ class RadixCache:
         return path
 
     def _split(self, node: TreeNode, m: int) -> TreeNode:
-        """Cut `node` after `m` tokens; the new upper part goes between it and its parent. NOTE: the original
-        object stays the deeper part, so nodes held by requests stay valid; the upper part inherits lock_ref and
-        last_access, so every size and lock count is unchanged."""
+        """Cut `node` after `m` tokens, the new upper part between it and its parent. NOTE: the original object stays
+        the deeper part (nodes requests hold stay valid); the upper inherits lock_ref and last_access."""
         upper = self._node(node.key[:m], node.value[:m], node.parent)
         upper.lock_ref, upper.last_access = node.lock_ref, node.last_access
         node.parent.children[upper.key[0]] = upper

@@ -19,6 +19,8 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     that owns the buffer; an index accessor for a layer outside its group raises `ValueError` naming the valid
     layers (generic code asks `has_buffer` / `has_index_value_buffer` / `layer_info` first)."""
 
+    page_size = 1  # reported by GET /pools; SGLang serves CPU with page size 1, and so do we
+
     def __init__(self, size: int, dtype: torch.dtype, layer_kinds: Sequence[str], head_num: int, head_dim: int,
                  index_head_dim: int, device: str | torch.device = "cpu") -> None:
         self.layer_kinds = validate_layer_kinds(layer_kinds)
@@ -48,9 +50,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
             routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_layer_ids.index(layer_id))
         return routes
 
-    # ---- main K/V: every layer (the main pool's local ids are the global ids) ----------------------
-    page_size = 1  # reported by GET /pools; SGLang serves CPU with page size 1, and so do we
-
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.main_pool.get_key_buffer(layer_id)
 
@@ -63,7 +62,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         self.main_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v)
 
-    # ---- index K: both sparse groups; index V: sparse_index_kv only -------------------------------
     def _index_route(self, layer_id: int, buffer: str, accessor: str) -> BufferLocation:
         if (loc := self.buffer_location(layer_id, buffer)) is not None:
             return loc
@@ -98,7 +96,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         r = self._index_route(layer_id, "index_value", "set_index_kv_buffer")
         r.pool.set_kv_buffer(r.local_layer_id, loc, cache_k, cache_v)
 
-    # ---- byte accounting ---------------------------------------------------------------------------
     @staticmethod
     def bytes_per_token_for(layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int,
                             dtype: torch.dtype) -> int:
@@ -126,5 +123,4 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         return {k: self.layer_bytes_per_token(i) for k, i in first.items()}
 
     def total_bytes(self) -> int:
-        """Real allocated bytes of every sub-pool tensor."""
         return sum(p.total_bytes() for p in self.sub_pools())

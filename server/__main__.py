@@ -23,8 +23,6 @@ logger = logging.getLogger("server")
 
 
 class GracefulServer(uvicorn.Server):
-    """uvicorn with a graceful SIGTERM/SIGINT: drain the engine first, then let uvicorn shut down."""
-
     def __init__(self, config: uvicorn.Config, state: ServerState) -> None:
         super().__init__(config)
         self.state, self._draining = state, False

@@ -7,8 +7,7 @@ from typing import Any
 
 from engine.runtime.engine_args import EngineArgs
 
-INT_OR_NONE = ("max_total_tokens", "context_length", "kv_cache_bytes", "max_new_tokens_cap", "cuda_graph_max_bs",
-               "chunked_prefill_size")
+INT_OR_NONE = tuple(f.name for f in fields(EngineArgs) if str(f.type) == "int | None")  # (a None default says no type)
 
 
 @dataclass

@@ -72,8 +72,7 @@ class Channel:
 
 class AsyncEngine:
     def __init__(self, build: Callable[[], Engine], max_sequences: int | None = None) -> None:
-        """Start the engine thread and build the engine there (its errors raise here, on the caller's
-        thread); the thread steps it once `start` gives it the event loop."""
+        """Start the engine thread, building the engine there (its errors raise here); it steps once `start` runs."""
         built: Future[Engine] = Future()
         self._go = threading.Event()
 
@@ -102,7 +101,6 @@ class AsyncEngine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self.warming = True  # until the engine thread has compiled or captured its decode graphs
 
-    # ---- lifecycle --------------------------------------------------------------------------------
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._go.set()
@@ -214,8 +212,7 @@ class AsyncEngine:
         return await asyncio.wrap_future(done)
 
     async def check_integrity(self) -> bool | None:
-        """The KV pool's check `Engine.check_integrity` (False where it fails), on the engine thread; None while it
-        warms up or has stopped."""
+        """`Engine.check_integrity` (False where it fails) on the engine thread; None while warming up or stopped."""
         return None if self.warming or not self.alive else await self.on_engine_thread(self._integrity_ok)
 
     def _integrity_ok(self) -> bool:

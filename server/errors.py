@@ -10,8 +10,6 @@ OPENAI_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFou
 
 
 class ApiError(Exception):
-    """An error with an HTTP status and a message for the client."""
-
     def __init__(self, status: int, message: str, extra: dict | None = None, logged: bool = False) -> None:
         super().__init__(message)
         self.status, self.message, self.extra = status, message, extra or {}
@@ -19,8 +17,7 @@ class ApiError(Exception):
 
 
 class BadRequest(ApiError):
-    """The client's input is invalid (a 400 naming the field). A validator's ValueError becomes one where the
-    validator is called; any other ValueError is a server bug: a 500."""
+    """Invalid client input (a 400 naming the field): a validator's ValueError where it is called; other ones: 500."""
 
     def __init__(self, message: str, extra: dict | None = None) -> None:
         super().__init__(400, message, extra)
@@ -32,7 +29,6 @@ def media_type(content_type: str) -> str:
 
 
 def not_json_message(content_type: str) -> str:
-    """The 400 message for a body sent with another Content-Type (or none)."""
     return f"Content-Type must be application/json, got {content_type or 'none'!r}."
 
 

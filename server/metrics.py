@@ -29,8 +29,6 @@ class _ReqTimes:
 
 
 class Metrics:
-    """All of the server's metrics; `render()` is the /metrics body."""
-
     def __init__(self, model_name: str, engine: Any) -> None:
         self.model_name, self.engine, self.registry = model_name, engine, CollectorRegistry()
         lab, reg = ["model_name"], self.registry
@@ -60,7 +58,6 @@ class Metrics:
         self._prompt_total = self._cached_total = 0
 
     def collect(self) -> Any:
-        """Scheduler and per-sub-pool gauges, read from the engine at scrape time (a custom collector)."""
         st, pool = self.engine.stats(), self.engine.pool
         values = {"num_running_reqs": ("The number of running requests.", st.num_running),
                   "num_used_tokens": ("The number of used KV tokens (prefix cache included).", st.used_tokens),
@@ -91,7 +88,6 @@ class Metrics:
             yield gauge("hicache_host_used_tokens", "Host KV tier slots in use.", {None: host["used_tokens"]})
             yield gauge("hicache_host_total_tokens", "Host KV tier size in tokens.", {None: host["size_tokens"]})
 
-    # ---- feeding (event loop) ---------------------------------------------------------------------
     def on_submit(self, rids: list[str], now: float) -> None:
         self._reqs.update({rid: _ReqTimes(now) for rid in rids})
 
@@ -125,7 +121,6 @@ class Metrics:
         for _ in range(tokens):
             self.itl.observe(interval / tokens)
 
-    # ---- derived values -----------------------------------------------------------------------------
     def gen_throughput(self, now: float | None = None) -> float:
         """Generated tokens per second over the last THROUGHPUT_WINDOW_S seconds."""
         now = time.monotonic() if now is None else now
@@ -138,8 +133,7 @@ class Metrics:
 
 
 def _family(cls: Any, model: str, name: str, doc: str, values: dict, label: str | None = None) -> Any:
-    """One metric family `sglang:<name>`: a sample per entry of `values` (label value -> number; {None: number}
-    for one sample with no label but the model's)."""
+    """Metric family `sglang:<name>`: a sample per `values` entry (label value -> n; {None: n}: model label only)."""
     family = cls(f"sglang:{name}", doc, labels=["model_name", *([label] if label else [])])
     for key, value in values.items():
         family.add_metric([model, *([key] if label else [])], float(value))

@@ -1,8 +1,6 @@
 """Pydantic request models of /v1/completions and /v1/chat/completions (http_api.md §3; the responses are in
 server/openai_format.py): unknown keys ignored (like OpenAI and SGLang), wrong types a 400 (routes_openai)."""
 
-from __future__ import annotations
-
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -52,7 +50,7 @@ class SamplingFields(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _stream_options(self) -> SamplingFields:
+    def _stream_options(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self

@@ -20,7 +20,6 @@ def _is(x: Any, kind: type) -> bool:
 
 
 def _scalar_or_list(name: str, v: Any, kind: type, what: str) -> Any:
-    """Accept a `kind` value or a list of them; anything else -> ValueError naming the field."""
     if v is None or _is(v, kind) or (isinstance(v, list) and all(_is(x, kind) for x in v)):
         return v
     raise ValueError(f"{name} must be {what} or a list of them, got {_kind(v)}")

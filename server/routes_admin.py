@@ -129,7 +129,6 @@ async def metrics(request: Request) -> Response:
     return Response(m.render(), media_type=CONTENT_TYPE)
 
 
-# ---- pool introspection: unknown layer 404, a buffer the layer lacks 409, unknown buffer name 400 ----------
 def _pool_info(request: Request, layer_id: int, buffer: str | None = None) -> dict[str, Any]:
     pool = server_state(request).engine.pool
     try:

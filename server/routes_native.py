@@ -97,8 +97,6 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
 
 
 class NativeShaper:
-    """Response bodies and stream frames of one /generate call's sequences."""
-
     def __init__(self, sub: Submission, reqs: list[NewRequest], single: bool, tok: Tokenizer | None,
                  text_in_logprobs: bool, incremental: bool) -> None:
         self.sub, self.single, self.tok, self.incremental = sub, single, tok, incremental

@@ -43,7 +43,6 @@ async def retrieve_model(model_id: str, request: Request) -> Response:
         "type": "invalid_request_error", "param": "model", "code": "model_not_found"}})
 
 
-# ---- what both generation routes share ----------------------------------------------------------------
 async def _parse(request: Request, model: type[M]) -> M:
     """The JSON body as `model`; anything else (wrong Content-Type, bad JSON, bad types) is a 400."""
     if media_type(ctype := request.headers.get("content-type", "")) != "application/json":
@@ -91,16 +90,14 @@ def _submit(state: ServerState, req: SamplingFields, prompts: list[list[int]], m
     return Submission(state.async_engine, reqs, route, response_id=base)
 
 
-# ---- /v1/completions ------------------------------------------------------------------------------------
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state, req = server_state(request), await _parse(request, CompletionRequest)
     tok, cap = _check(state, req), min(COMPLETION_MAX_LOGPROBS, state.args.max_logprobs)
     if req.logprobs is not None and req.logprobs > cap:
         raise ApiError(400, f"logprobs must be at most {cap}, got {req.logprobs}.", {"param": "logprobs"})
-    # the four accepted shapes: a string or token ids, or a list of either
     one = isinstance(req.prompt, str) or (req.prompt and isinstance(req.prompt[0], int))
-    given: list[Any] = [req.prompt] if one else req.prompt
+    given: list[Any] = [req.prompt] if one else req.prompt  # the 4 shapes: a string or token ids, or a list of either
     if not given or any(len(p) == 0 for p in given):
         raise ApiError(400, "Prompt cannot be empty")
     prompts = [tok.encode(p) if isinstance(p, str) else list(p) for p in given]
@@ -109,7 +106,6 @@ async def completions(request: Request) -> Response:
     return await CompletionShaper(sub, req, tok, prompts, given, state.args.enable_cache_report).respond(request)
 
 
-# ---- /v1/chat/completions --------------------------------------------------------------------------------
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state, req = server_state(request), await _parse(request, ChatCompletionRequest)

@@ -1,6 +1,5 @@
-"""One HTTP request's sequences in the engine, from submit (all or nothing) to the last output: the one way
-every generation route goes. However the request ends (done, client gone, error, shutdown), whatever has not
-finished is aborted; `SSEResponse` guarantees that for streams."""
+"""One HTTP request's sequences in the engine, from submit (all or nothing) to the last output (every generation route).
+However it ends (done, client gone, error, shutdown), the unfinished are aborted (streams: by `SSEResponse`)."""
 
 import asyncio
 import logging
@@ -46,8 +45,7 @@ class Submission:
         self.joined, self._open = [JoinedOutput(r) for r in self.rids], set(range(len(self.rids)))
 
     async def outputs(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """(sequence index, its new delta) until every sequence has finished; `joined[i]` already holds
-        the delta. A sequence the server failed raises its ApiError."""
+        """(sequence index, new delta) until all finish (`joined[i]` holds the delta); a failed one raises ApiError."""
         while self._open:
             i, out = await self._channel.get()
             self.joined[i].add(out)
@@ -151,8 +149,7 @@ async def sse_frames(sub: Submission, frame: Any, error: Any, head: Iterable[str
         async for i, out in sub.outputs():
             if (text := frame(i, out)) is not None:
                 yield text
-                # NOTE: a real suspension per frame: with the client gone, a backlog is otherwise sent
-                # without ever suspending, and the disconnect (a cancellation) waits for all of it.
+                # NOTE: suspend per frame, else a gone client's backlog is sent unsuspended, its cancellation waiting.
                 await asyncio.sleep(0)
         for text in tail:
             yield text

@@ -1,9 +1,7 @@
-"""Building a C kernel of this package into a shared library, once per machine, and loading it (ctypes). The library
-lands beside inductor's compile cache (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>), under
-minimax_kernels/, named by a hash of its source, the headers beside it, the flags and the CPU (`cpu`: built with
--march=native, it may not run on another, as a cache on a volume shared by machines would have it): clearing that cache
-clears it too. Built with the compiler inductor uses on CPU (gcc, or $CC), with OpenMP: the library then shares the
-OpenMP runtime torch has loaded, so its threads are torch's (torch.set_num_threads holds)."""
+"""Building a C kernel of this package into a shared library, once per machine, and loading it (ctypes), under
+minimax_kernels/ in inductor's cache (`TORCHINDUCTOR_CACHE_DIR`, by default /tmp/torchinductor_<user>), named by a hash
+of its source, headers, flags and CPU (`cpu`: built with -march=native, it may not run on another). Built with
+inductor's CPU compiler (gcc, or $CC) and OpenMP, sharing torch's OpenMP runtime (its threads are torch's)."""
 
 import ctypes
 import functools
@@ -21,9 +19,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-# NOTE: -ffast-math lets gcc vectorize the exp and the dot products (libmvec); -march=native ties the library to this
-# CPU, as inductor's own cache is. It goes to the compile only: at the link, gcc (before 13) would add crtfastmath.o,
-# whose constructor sets flush-to-zero process-wide as the library loads (subnormal floats then read as 0 in torch too).
+# NOTE: -ffast-math lets gcc vectorize the exp and the dot products (libmvec). It goes to the compile only: at the link,
+# gcc (before 13) would add crtfastmath.o, whose constructor sets flush-to-zero process-wide as the library loads.
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC")
 LINK, LIBS = ("-shared", "-fopenmp"), ("-lmvec", "-lm")
 # Floats in the widest vector a kernel is built with (simd.h's LANES with AVX-512): the matrix sizes the kernels

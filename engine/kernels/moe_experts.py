@@ -27,8 +27,7 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def on_kernel(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether `moe_experts` can run here: CPU, float32, hidden and intermediate sizes multiples of 16 (the
-    kernel's widest vector, AVX-512's), a compiler at hand."""
+    """Whether `moe_experts` runs here: CPU, float32, hidden and intermediate sizes multiples of build.WIDEST, built."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, w13, w2))
             and w2.shape[1] % build.WIDEST == 0 and w2.shape[2] % build.WIDEST == 0 and built())
 
@@ -49,8 +48,7 @@ def moe_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.
 
 def run(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         alpha: float, limit: float) -> torch.Tensor:
-    """`moe_experts` through the library `lib` (CPU): a shape or dtype it cannot read raises ValueError, an expert
-    id outside [0, E) IndexError."""
+    """`moe_experts` through `lib`: a shape or dtype it cannot read is a ValueError, an id outside [0, E) IndexError."""
     x, ids, w = x.contiguous(), ids.contiguous(), w.to(torch.float32).contiguous()
     t, k = ids.shape if ids.dim() == 2 else (-1, -1)
     e, i2, h = w13.shape if w13.dim() == 3 else (-1, -1, -1)

@@ -1,9 +1,7 @@
 """`operator`: a kernel's Python entry point registered as the torch operator `minimax::<name>`, which eager code and
-compiled graphs call alike (a graph calls it as it is, an opaque extern call, its output shaped like its first
-argument). NOTE: defined through `torch.library.Library` (the function is the op's kernel for every backend), not
-through `torch.library.custom_op`, whose own layers (autograd, aliasing checks) cost ~13 us a call: 3 vs 16 us for a
-call that does nothing, 2 threads. A decode step past batch 1 makes 17 such calls (configs/tiny): eager, A/B in one
-engine, 1.01-1.07x at 8 rows and 1.01-1.03x at 32. The ops are for inference only: no autograd formula."""
+compiled graphs call alike (in a graph an opaque extern call, its output shaped like its first argument). NOTE: through
+`torch.library.Library` (the function is the op's kernel for every backend), not `torch.library.custom_op`, whose layers
+(autograd, aliasing checks) cost ~13 us a call, 17 a decode step past batch 1. No autograd formula."""
 
 from collections.abc import Callable
 

@@ -1,8 +1,7 @@
 """`minimax::paged_attention`: attention of a few queries per row over keys read through slot indices, and
-`minimax::paged_block_attention`: the same over the keys of selected blocks (block-sparse attention). On CPU in float32
-they run paged_attention.c, which reads each key and value in place from the pool; elsewhere (CUDA, other dtypes, no C
-compiler) SDPA runs over gathered keys and values (index_select). NOTE: C kernel vs gather + SDPA, 2 threads, contiguous
-slots per row: 64 rows x 2 KV heads x 256 keys 0.48 vs 1.36 ms, 8 rows 0.05 vs 0.15 ms, 1 row 0.013 vs 0.085 ms."""
+`minimax::paged_block_attention`: the same over the keys of selected blocks (block-sparse). On CPU in float32 they run
+paged_attention.c, reading keys and values in place from the pool; elsewhere (CUDA, other dtypes, no C compiler) SDPA
+over gathered keys and values. NOTE: C kernel vs gather + SDPA, 64 rows x 2 KV heads x 256 keys: 0.48 vs 1.36 ms."""
 
 import ctypes
 import functools
@@ -66,8 +65,7 @@ def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows:
 
 
 def fits(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor) -> bool:
-    """Whether q [B, H, G, D] and the buffers [..., D] are float32, the buffers contiguous and alike, and G query
-    heads fit the kernel's scratch on its stack."""
+    """Whether q [B, H, G, D] and buffers [..., D] are float32, buffers alike and contiguous, and G fits the C stack."""
     return (q.dim() == 4 and q.dtype == k_buf.dtype == v_buf.dtype == torch.float32 and k_buf.shape == v_buf.shape
             and k_buf.shape[-1:] == q.shape[-1:] and k_buf.is_contiguous() and v_buf.is_contiguous()
             and q.shape[2] * (q.shape[3] + 64) <= 1 << 16)

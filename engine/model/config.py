@@ -1,5 +1,4 @@
-"""Model configuration: one frozen dataclass that validates itself (every error names the field).
-engine/model/config_json.py reads it from either config.json shape."""
+"""Model configuration: one frozen dataclass that validates itself (every error names the field); see config_json.py."""
 
 import math
 from dataclasses import dataclass
@@ -78,9 +77,8 @@ def _validate(c: ModelConfig) -> None:
                  f"must be in [1, num_local_experts={c.num_experts}], got {c.num_experts_per_tok}")
         _require(c.shared_intermediate_size >= 0, "shared_intermediate_size", "must be >= 0")
     if c.any_sparse:
-        _require(c.index_num_heads == c.num_kv_heads, "sparse_num_index_heads",
-                 f"index heads ({c.index_num_heads}) must equal num_key_value_heads ({c.num_kv_heads}): "
-                 "one block selection per KV head")
+        _require(c.index_num_heads == c.num_kv_heads, "sparse_num_index_heads", f"index heads ({c.index_num_heads}) "
+                 f"must equal num_key_value_heads ({c.num_kv_heads}): one block selection per KV head")
         _require(c.index_head_dim >= c.rotary_dim, "sparse_index_dim",
                  f"index head dim ({c.index_head_dim}) must be >= the rotary dim ({c.rotary_dim})")
         _require(c.topk_blocks >= 1, "sparse_topk_blocks", f"must be >= 1, got {c.topk_blocks}")
@@ -88,6 +86,5 @@ def _validate(c: ModelConfig) -> None:
         _require(c.local_blocks >= 1, "sparse_local_block",
                  f"must be >= 1 (every query must see its own block), got {c.local_blocks}")
         _require(c.init_blocks >= 0, "sparse_init_block", f"must be >= 0, got {c.init_blocks}")
-        _require(c.init_blocks + c.local_blocks <= c.topk_blocks, "sparse_topk_blocks",
-                 f"init blocks ({c.init_blocks}) + local blocks ({c.local_blocks}) must fit in the "
-                 f"top-k budget ({c.topk_blocks})")
+        _require(c.init_blocks + c.local_blocks <= c.topk_blocks, "sparse_topk_blocks", f"init blocks ({c.init_blocks})"
+                 f" + local blocks ({c.local_blocks}) must fit in the top-k budget ({c.topk_blocks})")

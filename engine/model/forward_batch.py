@@ -10,8 +10,7 @@ import torch
 
 @dataclass(frozen=True)
 class Segment:
-    """One extending request: its tokens [start, start + queries) of the batch are positions
-    first_pos..first_pos + queries - 1; `slots[j]` holds position j (j < first_pos + queries)."""
+    """One extending request: batch tokens [start, start + queries) at positions first_pos..; `slots[j]`: position j."""
 
     start: int
     queries: int
@@ -59,8 +58,7 @@ class ForwardBatch:
     @classmethod
     def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,
               req_to_token: torch.Tensor, device: torch.device) -> ForwardBatch:
-        """Request i (table row rows[i]) feeds new_ids[i] at positions prefix_lens[i]...; the new tokens'
-        slots (`out_cache_loc`) are already written into the table."""
+        """Request i (row rows[i]) feeds new_ids[i] at positions prefix_lens[i]...; `out_cache_loc` is in the table."""
         ids = [t for x in new_ids for t in x]
         positions = [p for p0, x in zip(prefix_lens, new_ids) for p in range(p0, p0 + len(x))]
         segments, start = [], 0

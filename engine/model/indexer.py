@@ -8,11 +8,10 @@ NEG_INF = float("-inf")
 
 
 def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, block_size: int) -> torch.Tensor:
-    """s[r, h, t, b] = max over keys j of block b that query t may see of iq[r, t, h] . ik[r, j] (fp32, no
-    scale); -inf for a block with no visible key (model.md §3.2). iq [R, T, H, D_I] (normed, rotated), ik [R, N,
-    D_I] (cached index keys), visible [R, T, V] bool for the last V keys (causal, and False on padding keys); the
-    first N - V keys are visible to every query (an extend chunk's past: NOTE: masking only the chunk's own keys, a
-    4k prefill's block scores cost ~3x less) -> [R, H, T, ceil(N / block_size)]."""
+    """s[r, h, t, b] = max over keys j of block b that query t may see of iq[r, t, h] . ik[r, j] (fp32, no scale), -inf
+    if none (model.md §3.2) -> [R, H, T, ceil(N / block_size)]. iq [R, T, H, D_I] (normed, rotated), ik [R, N, D_I],
+    visible [R, T, V] bool for the last V keys (causal, False on padding); all see the first N - V (an extend chunk's
+    past. NOTE: masking only the chunk's keys: ~3x cheaper at 4k)."""
     (r, t, h, _), n, pad = iq.shape, ik.shape[1], -ik.shape[1] % block_size
     ik = F.pad(ik.float(), (0, 0, 0, pad)) if pad else ik.float()  # (zero keys past the end, masked below)
     seen = F.pad(visible, (0, pad), value=False) if pad else visible  # [R, T, V + pad]
@@ -26,10 +25,9 @@ def block_scores(iq: torch.Tensor, ik: torch.Tensor, visible: torch.Tensor, bloc
 
 def block_masks(q_pos: torch.Tensor, nb: int, block_size: int, topk: int, init_blocks: int,
                 local_blocks: int) -> tuple[torch.Tensor, ...]:
-    """What `select_blocks` reads of queries at q_pos [R, T] over nb blocks, the same for every layer (a decode step
-    makes them once): whether a block is chosen on its score [R, 1, T, nb], the key it takes if not (+inf: forced
-    in, -inf: past the query's own block V_t), the result slots left unused [R, 1, T, topk] (|S| = min(K, V_t)),
-    and the blocks' tie-break nb - 1 - b [nb] (`_tie_broken`)."""
+    """What `select_blocks` reads of queries at q_pos [R, T] over nb blocks, alike for every layer: whether a block is
+    chosen on its score [R, 1, T, nb], its key if not (+inf: forced in, -inf: past the query's block V_t), the result
+    slots left unused [R, 1, T, topk] (|S| = min(K, V_t)), the tie-break nb - 1 - b [nb]."""
     visible = (q_pos // block_size + 1)[:, :, None]  # V_t, [R, T, 1]
     b = torch.arange(nb, device=q_pos.device)[None, None, :]
     hidden, forced = b >= visible, (b < init_blocks) | (b >= visible - local_blocks)
@@ -51,9 +49,8 @@ def select_blocks(block: torch.Tensor, masks: tuple[torch.Tensor, ...]) -> torch
 
 
 def _tie_broken(key: torch.Tensor, tie_break: torch.Tensor) -> torch.Tensor:
-    """float32 keys [..., nb] as int64 keys in the same order with every tie broken toward the lower index: the
-    float's bits made monotone (-0.0 equal to 0.0), times nb, plus tie_break (nb - 1 - index). NOTE: top-k of
-    these, not a stable sort: a batch-1 decode graph (CPU, compiled, configs/tiny) 1.49-1.53 vs 1.62-1.77 ms, A/B."""
+    """float32 keys [..., nb] as int64 keys in the same order, ties toward the lower index: monotone float bits (-0.0 =
+    0.0) * nb + tie_break (nb - 1 - index). NOTE: top-k of these, not a stable sort: 1.5 vs 1.7 ms a step."""
     assert key.dtype == torch.float32, key.dtype  # (block_scores computes in fp32)
     bits = key.contiguous().view(torch.int32).to(torch.int64)
     monotone = torch.where(bits < 0, -2**31 - bits, bits)  # (-0.0's bits, -2**31, become 0)

@@ -1,8 +1,6 @@
-"""Decode steps as CUDA graphs the engine captures itself (no compiler): one graph per (batch bucket, key bucket) over
-the eager step (`decode_step`), all reading one set of static input buffers and sharing one memory pool. A graph's
-shapes are its buckets' (a step's rows padded up to them, its key table copied into the bucket's: see `run`). Every
-graph is captured at warm-up, so nothing is recorded while serving. NOTE: capture costs an eager step a graph: seconds
-for all buckets, against ~50 s a graph to compile with inductor (H200, configs/tiny)."""
+"""Decode steps as CUDA graphs the engine captures itself: a graph per (batch bucket, key bucket) over `decode_step`,
+all reading one set of static input buffers and sharing one memory pool; a graph's shapes are its buckets' (see `run`).
+NOTE: capture costs an eager step a graph, vs ~50 s a graph to compile with inductor."""
 
 import dataclasses
 from collections.abc import Callable
@@ -23,8 +21,7 @@ class CudaGraphs:
         self.logits: torch.Tensor | None = None  # every graph's output rows (made at capture)
 
     def view(self, rows: int, keys: int) -> DecodeBatch:
-        """The static inputs of the graph for (rows, keys): leading slices of the largest buffers (the key table's
-        contiguous, as a compiled step's guards want it)."""
+        """The graph's static inputs for (rows, keys): leading slices of the largest buffers (key table contiguous)."""
         i = self.inputs
         return DecodeBatch(i.input_ids[:rows], i.positions[:rows], i.out_cache_loc[:rows],
                            i.key_slots.view(-1)[:rows * keys].view(rows, keys))
@@ -32,11 +29,10 @@ class CudaGraphs:
     @torch.no_grad()
     def capture(self, warm_each: bool = False) -> None:
         """Record every (batch, keys) graph, the largest first (the shared pool is sized by it), on a side stream;
-        `warm_each`: each shape's step run once before its capture (a compiled step builds its kernels then).
-        NOTE: one warm-up run before the first capture (lazy initializations happen there), and capture_begin /
-        capture_end rather than `torch.cuda.graph`, which synchronizes, collects garbage and empties the cache
-        around every capture: 84 graphs took 17.9 s that way (H200, configs/tiny). Each graph copies its logits into
-        one shared buffer and frees its own (kept, they took ~400 MB over the mid-size model's 54 graphs)."""
+        `warm_each`: each shape's step run once before its capture (a compiled step builds its kernels then). NOTE: one
+        warm-up run before the first capture (lazy initializations happen there), and capture_begin / capture_end, not
+        `torch.cuda.graph`, which synchronizes, collects garbage and empties the cache around each capture (84 graphs:
+        17.9 s). Each graph copies its logits into one shared buffer and frees its own (~400 MB over 54 graphs)."""
         pool, side = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -56,10 +52,9 @@ class CudaGraphs:
         torch.cuda.synchronize()
 
     def run(self, batch: DecodeBatch, rows: int, keys: int) -> torch.Tensor:
-        """Logits of `batch`'s rows through the (rows, keys) graph: its inputs copied into the static buffers, the
-        padding rows zeroed (slot 0, position 0). The key columns past the batch's width keep the slots of earlier
-        steps (valid slots, past every row's length: read by no kernel, masked in the other forms): a 64-row step's
-        copy of a 65,536-wide table and its zeroing were ~100 MB of traffic."""
+        """Logits of `batch`'s rows through the (rows, keys) graph: its inputs copied into the static buffers, padding
+        rows zeroed (slot 0, position 0). Key columns past the batch's width keep earlier steps' slots (valid, past
+        every row's length: read by no kernel; copying and zeroing a 64 x 65,536 table: ~100 MB)."""
         n, width, view = batch.input_ids.shape[0], batch.key_slots.shape[1], self.view(rows, keys)
         for f in dataclasses.fields(DecodeBatch):
             dst, src = getattr(view, f.name), getattr(batch, f.name)

@@ -1,11 +1,10 @@
 """Decode steps as captured graphs, one per batch-size bucket (SGLang's `--cuda-graph-bs`). A decode step is one
 function of the model, the KV pool and fixed-shape tensors (`decode_step` over a `DecodeBatch`) with no host sync
-inside. On CPU it is compiled by inductor ahead of time, twice: for batch 1, and with the batch size dynamic for every
-other bucket (the key length is dynamic in both); each graph is saved to disk and a later start loads it instead of
-tracing again (`precompiled.py`). On CUDA the engine captures the step as CUDA graphs itself, one per batch bucket
-for any context (`cuda_graph.py`; see KEY_BUCKET), all at warm-up: the eager step, or with --enable-torch-compile the
-two compiled graphs, as on CPU (inductor's fused kernels; a compile). A batch is padded up to the next bucket (padding
-rows write and read only the pool's padding slot 0); one past the largest bucket runs eager."""
+inside. On CPU inductor compiles it ahead of time, twice: for batch 1, and with the batch size dynamic for every other
+bucket (the key length dynamic in both); a later start loads the saved graphs (`precompiled.py`). On CUDA the engine
+captures CUDA graphs itself at warm-up, one per batch bucket for any context (`cuda_graph.py`; see KEY_BUCKET): of the
+eager step, or with --enable-torch-compile of the two compiled graphs (SGLang's way). A batch is padded up to the next
+bucket (padding rows write and read only the pool's padding slot 0); one past the largest bucket runs eager."""
 
 import dataclasses
 import logging
@@ -24,18 +23,15 @@ from mem_cache import MiniMaxSparseKVPool
 
 logger = logging.getLogger(__name__)
 
-# The default buckets, as SGLang's list for --cuda-graph-bs starts; capped by --cuda-graph-max-bs.
-DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 256)  # as SGLang's --cuda-graph-bs list starts
 CPU_MAX_BS = 64  # NOTE: CPU buckets past 64 rows would add compile time for steps that are compute-bound anyway
-# Decode key tables are padded to a multiple of KEY_BUCKET on CPU (one dynamic graph serves them all). On CUDA they
-# are as wide as the longest context, one graph per batch bucket, where Triton's decode kernels run (they read each
-# row's key count, see triton_decode); else up to the next power of two (at least the model's least key count): one
-# captured graph per such key bucket, up to CUDA_MAX_KEYS keys (past it, eager).
+# Decode key tables are padded to a multiple of KEY_BUCKET on CPU (one dynamic graph serves them all). On CUDA they are
+# as wide as the longest context where Triton's decode kernels run (they read each row's key count); else up to the next
+# power of two (at least the model's least key count), a graph per key bucket up to CUDA_MAX_KEYS (past it, eager).
 KEY_BUCKET = 64
 CUDA_MAX_KEYS = 8192
-# One row's softmax sums its keys in pieces of this many (graph_passes' `one_row_attention`). A decode step's key
-# count is a multiple of it (else the graph specializes on the padding) and at least two pieces (else the piece count
-# is a size-1 dimension, specialized too); past 4096 pieces (262,144 keys) the graph splits again.
+# A row's softmax sums keys in pieces of this many (graph_passes' `one_row_attention`): a step's key count is a
+# multiple, at least two (else the graph specializes on padding or a size-1 dimension; past 4096 pieces, it splits).
 SUM_PIECE = 64
 
 
@@ -62,12 +58,10 @@ class DecodeGraphs:
         self.key_buckets, self._one, self._many = (), None, None
         if not buckets:
             return
-        # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's own sums, see graph_passes,
-        # which is imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, which saves the Python launch
-        # overhead of ~150 kernel calls (4.4 -> 3.1 ms a step), and every other bucket (batch dynamic) without it: its
-        # kernels run long enough, and it compiles ~20 s faster. The C++ wrapper is built apart from its kernels (the
-        # wrapper at -O1): cold compile 80 -> 71 s, the step no slower (2.1-2.5 ms either way, batch 1, 320 keys).
-        # On CUDA (--enable-torch-compile) both graphs as inductor makes them, then captured (SGLang's way).
+        # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's sums, see graph_passes,
+        # imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, saving the Python launch overhead of
+        # ~150 kernels (3.1 vs 4.4 ms a step), and every other bucket (batch dynamic) without it, ~20 s less compile.
+        # The wrapper is built apart from its kernels (at -O1): 9 s less cold compile, the step no slower.
         if device.type == "cpu" or compile_cuda:
             one: dict = {}
             if device.type == "cpu":
@@ -90,8 +84,7 @@ class DecodeGraphs:
         self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
 
     def key_width(self, need: int) -> int:
-        """The key-table width of a step whose longest row needs `need` keys (on CUDA, its graph's key bucket is the
-        first at least as wide: the keys past the width are not copied in, no row reads them)."""
+        """Key-table width for a longest row of `need` keys (on CUDA, its graph's key bucket: the first as wide)."""
         return max(self.min_keys, -(-need // KEY_BUCKET) * KEY_BUCKET)
 
     def info(self) -> dict:
@@ -111,10 +104,8 @@ class DecodeGraphs:
         return next((b for b in self.buckets if b >= rows), None)
 
     def warm_up(self) -> None:
-        """Load or compile (CPU; CUDA with --enable-torch-compile) every bucket's graph, then on CUDA capture every
-        graph, before serving; one log line per bucket."""
-        # NOTE: one compile after the other: the two graphs compiled side by side (batch 1 in a child process) made a
-        # cold start slower, 94.7 / 94.6 s against 86.5 / 86.9 s (2 cores, configs/tiny, 2026-12-04)
+        """Load or compile every bucket's graph (CPU; CUDA with --enable-torch-compile), then on CUDA capture them."""
+        # NOTE: one compile after the other: side by side (batch 1 in a child process) a cold start took 94.7 vs 86.5 s
         for i, b in enumerate(self.buckets if self._one else ()):
             t, example, graph = time.perf_counter(), DecodeBatch.empty(b, self.min_keys, self.device), self._graph(b)
             how = "same graph" if graph.prepared() else graph.prepare(self.model, self.pool, example)

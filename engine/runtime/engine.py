@@ -1,9 +1,8 @@
-"""The engine: `add_requests`, `abort`, `stats`, `wait_for_work` (any thread) and `step` (the engine thread only:
-take new requests and aborts, schedule, run, sample, read the tokens back) -> a delta for each touched request. The
-maintenance calls (`flush_cache`, `check_integrity`) run torch: the engine thread too, between two steps.
-Overlapped (CUDA; SGLang's overlap schedule), a steady decode step is launched before the last step's tokens are read
-back, so the host's work on them runs while the device computes; a request that a read-back token ends (EOS, a stop)
-has one more token computed ahead, dropped. On CPU a step computes as it is launched: overlap would only delay it."""
+"""The engine: `add_requests`, `abort`, `stats`, `wait_for_work` (any thread) and `step` (the engine thread only: take
+new requests and aborts, schedule, run, sample, read tokens back) -> a delta for each touched request; `flush_cache` and
+`check_integrity` run torch: the engine thread too, between steps. Overlapped (CUDA, SGLang's overlap schedule), a
+steady decode step is launched before the last step's tokens are read back, the host working on them as the device
+computes; a request a read-back token ends has a token computed ahead, dropped. (On CPU overlap would only delay.)"""
 
 import random
 import threading
@@ -22,15 +21,14 @@ from engine.runtime.scheduler import ScheduledBatch, Scheduler
 from engine.runtime.setup import build_components
 from engine.runtime.stats import EngineStats
 from engine.runtime.stop import StopChecker
-from mem_cache import MiniMaxSparseKVPool
 
 
 class Engine:
     def __init__(self, args: EngineArgs) -> None:
         self.args = args
-        model, self.tokenizer, pool, self._kv, self.context_len = build_components(args)
+        model, self.tokenizer, self.pool, self._kv, self.context_len = build_components(args)
         self.cfg, self.max_total_len = model.cfg, min(self.context_len, self._kv.size)
-        self._runner = ModelRunner(model, pool, args, self.max_total_len)
+        self._runner = ModelRunner(model, self.pool, args, self.max_total_len)
         chunk = args.chunked_prefill_size or (8192 if self._runner.device.type == "cuda" else 2048)
         self._scheduler, self._sampler = Scheduler(self._kv, args.max_running_requests, chunk), Sampler()
         self.eos_ids = set(self.cfg.eos_token_ids) | (self.tokenizer.eos_token_ids if self.tokenizer else set())
@@ -46,12 +44,6 @@ class Engine:
         self._pending: tuple | None = None  # the last step's (requests, logprob layout, ids or table to the host, event)
         self.overlapped_steps = 0  # (steps launched before the last one's tokens were read back)
 
-    @property
-    def pool(self) -> MiniMaxSparseKVPool:
-        """The KV pool, for introspection (its layers, buffers and bytes)."""
-        return self._runner.pool
-
-    # ---- submission (any thread) -----------------------------------------------------------------
     def add_requests(self, reqs: list[NewRequest], max_sequences: int | None = None) -> list[list[str]]:
         """Validate every request, then queue them all (all or nothing); the rids of each one's samples.
         `max_sequences` bounds the samples of the whole call (the server's --max-batch-size)."""
@@ -91,7 +83,6 @@ class Engine:
             self._aborts.append((rid, abort_all))
             self._cond.notify_all()
 
-    # ---- the engine thread -----------------------------------------------------------------------
     def warm_up(self) -> None:
         """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
         self._runner.graphs.warm_up()
@@ -113,7 +104,6 @@ class Engine:
             self._cond.notify_all()
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step: take new requests and aborts, run one batch, report what changed."""
         self._drain_inbox()
         if not (self._overlap and self._scheduler.steady_next()):
             self._read_back()  # (the next step needs every request as it is)
@@ -212,15 +202,13 @@ class Engine:
         return outs
 
     def fail_all(self, message: str) -> list[RequestOutput]:
-        """End every queued and running request with an error (after a failed step); report them. NOTE: their KV
-        is not cached: the failed step's slots were allocated, maybe never written."""
+        """End all queued and running requests with an error (a failed step). NOTE: KV not cached (maybe unwritten)."""
         self._pending = None
         self._drain_inbox()
         for req in self._scheduler.requests():
             self._end(req, {"type": "abort", "message": message, "status_code": 500}, message, cache=False)
         return self._collect()
 
-    # ---- state (any thread) and maintenance (the engine thread) -----------------------------------
     def stats(self) -> EngineStats:
         s, kv = self._scheduler, self._kv
         return EngineStats(len(s.running), len(s.waiting), kv.size, kv.size - kv.free_slots(), kv.free_slots(),
@@ -228,7 +216,6 @@ class Engine:
                            self._runner.graphs.ready(), dict(kv.hit_tokens), kv.hicache.info() if kv.hicache else None)
 
     def decode_graphs(self) -> dict:
-        """The captured decode graphs, how many steps replayed them or missed them, and overlapped (/server_info)."""
         return self._runner.graphs.info() | {"overlapped_steps": self.overlapped_steps}
 
     def flush_cache(self) -> bool:

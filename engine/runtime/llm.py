@@ -1,5 +1,4 @@
-"""Offline API: `LLM(model_path).generate(prompts_or_ids, sampling)` on top of the continuous-batching
-engine. Results come back in input order, shaped like the native /generate response."""
+"""Offline API: `LLM(model_path).generate(prompts_or_ids, sampling)`: results in input order, shaped as /generate's."""
 
 from pathlib import Path
 from typing import Any

@@ -10,8 +10,7 @@ from engine.runtime.request import Entry, Logprobs, Req
 
 def logprob_entries(logits: torch.Tensor, targets: list[int], top_n: int, ids: list[int] | None
                     ) -> tuple[list[Entry], list[list[Entry]] | None, list[list[Entry]] | None, list[int]]:
-    """For each row of raw logits [n, V]: (logprob of targets[i], top_n alternatives, requested ids,
-    the rank of targets[i]: 1 + the number of tokens more likely)."""
+    """Per row of raw logits [n, V]: logprob of targets[i], top_n, asked ids, rank of targets[i] (1 + more likely)."""
     lp = torch.log_softmax(logits.float(), dim=-1)
     chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device).view(-1, 1))
     ranks, token = ((lp > chosen_t).sum(dim=-1) + 1).tolist(), list(zip(chosen_t[:, 0].tolist(), targets))
@@ -33,15 +32,13 @@ class PromptRows:
 
 
 def plan_prompt_rows(req: Req, prefix: int, n: int, offset: int, rows: list[int]) -> PromptRows:
-    """Append to `rows` the flattened-batch rows whose logits score prompt tokens of this chunk
-    (positions prefix..prefix+n-1 of the request, at batch offset `offset`)."""
+    """Append to `rows` the batch rows whose logits score prompt tokens prefix..prefix+n-1 (batch offset `offset`)."""
     lp, p, first = req.logprob, len(req.prompt_ids), len(rows)
     if not lp.return_logprob or lp.logprob_start_len < 0 or req.prompt_logprobs_done:
         return PromptRows(first, [], False)
-    end = prefix + n
-    lo, hi = max(prefix, lp.logprob_start_len - 1), min(end, p - 1)
+    lo, hi = max(prefix, lp.logprob_start_len - 1), min(prefix + n, p - 1)
     rows.extend(offset + j - prefix for j in range(lo, hi))
-    req.prompt_logprobs_done = end >= p
+    req.prompt_logprobs_done = prefix + n >= p
     return PromptRows(first, [req.prompt_ids[j + 1] for j in range(lo, hi)], prefix == 0 and lp.logprob_start_len == 0)
 
 
@@ -57,8 +54,7 @@ def record_prompt(req: Req, plan: PromptRows, logits: torch.Tensor) -> None:
 
 
 def record_output(req: Req, row: list[float], top_n: int, ids: list[int]) -> None:
-    """A read-back row of `Sampler.logprob_table(..., top_n, ids)`: the request's sampled token, its logprob, its top
-    alternatives and the ids it asks for."""
+    """A read-back row of `Sampler.logprob_table(..., top_n, ids)`: sampled token, its logprob, top-n and asked ids."""
     k, asked, tops = min(req.logprob.top_logprobs_num, top_n), req.logprob.token_ids_logprob, 2 + top_n
     top = [list(zip(row[2:2 + k], map(int, row[tops:tops + k])))] if k else []
     picked = [[(row[tops + top_n + ids.index(i)], i) for i in asked]] if asked else []

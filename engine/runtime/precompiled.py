@@ -1,15 +1,11 @@
-"""A decode graph compiled ahead of time and kept on disk, so that a warm start loads it instead of tracing the model
-again (CPU). `torch.compile(...).aot_compile` traces a step function of (model, pool, batch) once and returns a function
-that can be saved: the model's parameters and the pool's buffers stay arguments (nothing of them is in the file), so one
-file serves every engine of the same shapes. It lands beside inductor's cache
-(`<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`), named by a hash of all it depends on (`graph_key`). NOTE: dynamo's trace
-(fake tensors, symbolic shapes) was most of a warm start: 12-25 s for the two graphs, against ~1.5 s to load each file.
-The guards dynamo built (tensor shapes and dtypes, grad mode, the config's values) decide whether a batch may run the
-graph; a batch that fails them runs eager, with a warning, and is counted (`guard_misses`). The model and the pool never
-change under a graph (the file's name hashes their shapes), so the verdict is kept per batch signature (`_signature`).
-NOTE: checked on every call, the guards walk ~1,300 entries, the model's ~130 tensors among them: 4 us while they sit in
-cache, 120-130 us after a decode step has run (configs/tiny, batch 1). Kept, against checked on every call, A/B in one
-engine: a step at batch 1 1.79 vs 1.90 ms, at 32 rows 12.5 vs 13.0 ms, at 64 rows no difference."""
+"""A decode graph compiled ahead of time and kept on disk, so a warm start loads it instead of tracing the model again
+(CPU). `torch.compile(...).aot_compile` traces a step function of (model, pool, batch) once into a saveable function:
+the model's parameters and the pool's buffers stay arguments, so one file serves every engine of the same shapes. It
+lands in `<TORCHINDUCTOR_CACHE_DIR>/minimax_graphs/`, named by a hash of all it depends on (`graph_key`). NOTE: dynamo's
+trace was most of a warm start (12-25 s for the two graphs vs ~1.5 s to load each). The guards dynamo built (shapes,
+dtypes, grad mode, config values) decide whether a batch may run the graph; one that fails them runs eager, with a
+warning, counted (`guard_misses`). Model and pool never change under a graph (its name hashes their shapes): the verdict
+is kept per batch signature (`_signature`; NOTE: checked each call, 1.90 vs 1.79 ms a batch-1 step)."""
 
 import dataclasses
 import hashlib
@@ -30,8 +26,7 @@ logger = logging.getLogger(__name__)
 
 Step = Callable[[MiniMaxM3Model, MiniMaxSparseKVPool, DecodeBatch], torch.Tensor]
 _ROOT = Path(__file__).resolve().parents[2]
-# What a decode trace reads: the model math, its kernels' ops, the pool's accessors, the graph's own modules.
-_SOURCES = ("engine/model", "engine/kernels", "mem_cache", "engine/runtime/decode_graph.py",
+_SOURCES = ("engine/model", "engine/kernels", "mem_cache", "engine/runtime/decode_graph.py",  # what a trace reads
             "engine/runtime/graph_passes.py", "engine/runtime/precompiled.py")
 
 
@@ -106,8 +101,7 @@ class PrecompiledStep:
 
 
 def _signature(batch: DecodeBatch) -> tuple:
-    """What of a batch the guards can read: each tensor's shape, strides, dtype and device, which of them share
-    storage, and the grad mode (their values are never guarded)."""
+    """What of a batch the guards read: each tensor's shape, strides, dtype, device, shared storage; the grad mode."""
     ts = [getattr(batch, f.name) for f in dataclasses.fields(batch)]
     return (torch.is_grad_enabled(), len({t.untyped_storage().data_ptr() for t in ts}),
             *((t.shape, t.stride(), t.dtype, t.device) for t in ts))

@@ -1,8 +1,6 @@
 """A request as the engine sees it (waiting -> running -> finished), the deltas it reports, and every rule a
 submitted request must meet before the engine queues it (http_api.md §1-2)."""
 
-from __future__ import annotations
-
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -34,7 +32,7 @@ class Logprobs:
     output_top: list[list[Entry]] = field(default_factory=list)
     output_ids: list[list[Entry]] = field(default_factory=list)
 
-    def extend(self, more: Logprobs) -> None:
+    def extend(self, more: "Logprobs") -> None:
         for f in fields(self):
             getattr(self, f.name).extend(getattr(more, f.name))
 
@@ -75,7 +73,7 @@ class Req:
     logprob: LogprobOptions
     seed: int  # keys the request's random draws (with each token's position)
     stop: StopChecker
-    depends_on: Req | None = None  # admitted only once this one has finished (n > 1 prefix sharing)
+    depends_on: "Req | None" = None  # admitted only once this one has finished (n > 1 prefix sharing)
     hidden: bool = False  # an internal request (the shared prefill of n > 1): reports nothing
     output_ids: list[int] = field(default_factory=list)
     kv: ReqKV | None = None  # the KV cache manager's record while the request holds KV
@@ -172,7 +170,6 @@ class JoinedOutput:
         return self.last.num_retractions if self.last else 0
 
 
-# ---- validation: run on a whole batch before any of it is queued ------------------------------------------
 @dataclass(frozen=True)
 class Limits:
     vocab_size: int

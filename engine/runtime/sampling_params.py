@@ -2,8 +2,6 @@
 messages are SGLang's (http_api.md §2), so 400 bodies carry SGLang's text; `from_dict` is stricter: unknown keys
 and wrongly typed values raise `ValueError` naming the field (SGLang's TypeError surfaces as a 500)."""
 
-from __future__ import annotations
-
 import math
 import re
 from collections.abc import Mapping
@@ -67,8 +65,7 @@ def _coerce(name: str, v: Any) -> Any:
 
 @dataclass
 class SamplingParams:
-    """Sampling parameters of one request (SGLang names and defaults, http_api.md §2): build from JSON with
-    `from_dict`, then call `verify(vocab_size)` before scheduling the request."""
+    """Build from JSON with `from_dict`, then call `verify(vocab_size)` before scheduling the request."""
 
     max_new_tokens: int | None = 128
     min_new_tokens: int = 0
@@ -104,7 +101,7 @@ class SamplingParams:
             self.logit_bias = {str(k): v for k, v in self.logit_bias.items()}
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any] | None) -> SamplingParams:
+    def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
         """Parse a JSON `sampling_params` object; null means "the default" except for `max_new_tokens`, where it
         means no limit. `ValueError` for unknown keys and wrongly typed values."""
         if d is None:

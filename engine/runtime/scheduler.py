@@ -19,8 +19,7 @@ class ScheduledBatch:
     prefix_lens: list[int]
     new_ids: list[list[int]]
     out_cache_loc: Any  # the new tokens' slots, in order (a tensor the manager allocated)
-    # a decode step of the last step's requests (that one a decode step too), in the same order, each one token
-    # further: the table writes, the decode inputs and the sampler's state carry over on the device
+    # the last decode step's requests in order, a token further: table writes, inputs, sampler state stay on the device
     steady: bool = False
 
     def __post_init__(self) -> None:
@@ -75,8 +74,7 @@ class Scheduler:
                 and not any(r.stop.at_length(len(r.output_ids) + r.inflight, len(r.prompt_ids)) for r in decoded))
 
     def _admit(self, req: Req) -> None:
-        """Give a request a row and its cached prefix: at least one token must be computed (for the
-        logits), and prompt logprobs need the logits from their start."""
+        """A row and cached prefix for a request: a token at least is computed (logits), and every prompt logprob's."""
         ids, lp = req.all_ids, req.logprob
         limit = len(ids) - 1
         if lp.return_logprob and lp.logprob_start_len >= 0 and not req.prompt_logprobs_done:
@@ -132,7 +130,6 @@ class Scheduler:
         return ScheduledBatch([r for r, _ in chosen], [r.kv.row for r, _ in chosen], prefix, new_ids, out, steady)
 
     def check_integrity(self) -> bool:
-        """The manager's invariants, and every request holding KV is a queued one."""
         assert self.kv.check_integrity()
         held = sum(r.kv is not None for r in self.requests())
         assert held == self.kv.num_live(), f"{self.kv.num_live()} live KV records for {held} queued requests"

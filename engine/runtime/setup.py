@@ -31,13 +31,11 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def choose_threads(requested: int, sample_s: float = 0.25) -> int:
-    """torch's thread count for this process: `requested` when given, else torch's default less the cores that
-    other processes keep busy (over half of `sample_s`, read from /proc/stat) at start, at least 1.
-    NOTE: OpenMP's threads wait for each other at every parallel region's barrier, so a thread sharing its core
-    with a busy neighbour stalls them all: configs/tiny's batch-1 step 2.2 ms quiet and 10.7 ms beside one
-    spinning process at 2 threads on 2 cores, 2.5 and 3.1 ms at 1 thread (OMP_WAIT_POLICY=PASSIVE: 12.6 ms quiet;
-    GOMP_SPINCOUNT=10000: 64 ms beside it; bench/neighbour.py). A neighbour that starts later is not seen, and a start
-    beside one compiles the CPU graphs for its thread count (their files' names hold it) if none is saved yet."""
+    """torch's thread count for this process: `requested` when given, else torch's default less the cores that other
+    processes keep busy (over half of `sample_s`, read from /proc/stat) at start, at least 1. NOTE: OpenMP threads wait
+    for each other at every barrier, so one sharing its core with a busy neighbour stalls all: configs/tiny's batch-1
+    step (2 threads, 2 cores) 2.2 ms quiet, 10.7 ms beside a spinning process, 3.1 ms at 1 thread (bench/neighbour.py).
+    A later neighbour is not seen; a start beside one compiles CPU graphs for its thread count if none is saved."""
     default = torch.get_num_threads()
     if requested > 0 or default == 1:
         return requested or 1
@@ -96,7 +94,6 @@ def model_fingerprint(model: MiniMaxM3Model, model_path: str, dtype: torch.dtype
 
 
 def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo (None where there is none)."""
     try:
         line = next(x for x in Path("/proc/meminfo").read_text().splitlines() if x.startswith("MemAvailable:"))
     except (OSError, StopIteration):

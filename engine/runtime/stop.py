@@ -8,8 +8,7 @@ from engine.runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
 class StopChecker:
-    """Feeds each new token to an incremental detokenizer and decides whether the request is done. NOTE: text
-    that could still begin a stop string is held back (`_held`) until resolved, so a stream never releases
+    """NOTE: text that could still begin a stop string is held back (`_held`) until resolved, so a stream never releases
     characters that a later stop match trims away; a match always lies inside the held text plus the newest delta."""
 
     def __init__(self, params: SamplingParams, eos_ids: set[int], tokenizer: Tokenizer | None,
@@ -25,11 +24,9 @@ class StopChecker:
         self.done = False
 
     def suppressed(self, n_out: int) -> set[int] | None:
-        """Ids to forbid while fewer than min_new_tokens have been generated."""
         return (self.suppress_ids | self.stop_ids) if n_out < self.params.min_new_tokens else None
 
     def at_length(self, n_out: int, n_prompt: int) -> bool:
-        """Whether the n_out-th output token (after n_prompt prompt tokens) ends the request by length."""
         m = self.params.max_new_tokens
         return (m is not None and n_out >= m) or n_prompt + n_out >= self.max_total_len
 

@@ -1,7 +1,5 @@
 """Tokenizer wrapper (HF `tokenizer.json`; optional `tokenizer_config.json` and `generation_config.json`, read
-offline by `Tokenizer.from_dir`) and incremental detokenization."""
-
-from __future__ import annotations
+offline by `Tokenizer.from_dir`) with its chat template, and incremental detokenization."""
 
 import json
 import os
@@ -41,8 +39,6 @@ def _raise_exception(message: str) -> NoReturn:
 
 
 class Tokenizer:
-    """A byte-level BPE (or any `tokenizers`) tokenizer plus its HF config and chat template."""
-
     def __init__(self, hf_tokenizer: _HFTokenizer, tokenizer_config: dict[str, Any] | None = None,
                  generation_config: dict[str, Any] | None = None, chat_template: str | None = None) -> None:
         self._tok, cfg, gen = hf_tokenizer, tokenizer_config or {}, generation_config or {}
@@ -54,12 +50,11 @@ class Tokenizer:
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.add_bos_token, self.add_eos_token = (bool(cfg.get(k, False)) for k in ("add_bos_token", "add_eos_token"))
 
-        eos_ids = {gen_eos} if isinstance(gen_eos := gen.get("eos_token_id"), int) else set(gen_eos or ())
+        self.eos_token_ids: set[int] = {eos} if isinstance(eos := gen.get("eos_token_id"), int) else set(eos or ())
         if self.eos_token_id is not None:
-            eos_ids.add(self.eos_token_id)
-        elif eos_ids:
-            self.eos_token_id = min(eos_ids)
-        self.eos_token_ids: set[int] = eos_ids
+            self.eos_token_ids.add(self.eos_token_id)
+        elif self.eos_token_ids:
+            self.eos_token_id = min(self.eos_token_ids)
 
         template = chat_template if chat_template is not None else cfg.get("chat_template")
         if isinstance(template, list):  # HF multi-template form: [{"name": ..., "template": ...}]
@@ -68,8 +63,7 @@ class Tokenizer:
         self._compiled_template: Any = None
 
     @classmethod
-    def from_dir(cls, path: str | os.PathLike[str], chat_template: str | None = None) -> Tokenizer:
-        """Load from a directory holding `tokenizer.json` (+ optional HF config files)."""
+    def from_dir(cls, path: str | os.PathLike[str], chat_template: str | None = None) -> "Tokenizer":
         root = Path(path)
         if not (tok_file := root / "tokenizer.json").is_file():
             raise FileNotFoundError(f"no tokenizer.json in {root}")
@@ -78,7 +72,6 @@ class Tokenizer:
 
     @property
     def vocab_size(self) -> int:
-        """Number of token ids, added tokens included."""
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def token_to_id(self, token: str | None) -> int | None:
