@@ -1,12 +1,9 @@
 """The rewrites inductor applies to the CPU batch-1 decode graph (`post_grad_custom_post_pass`, `BatchOneForms`): the
-model's ops for one row in forms inductor fuses, then its weight products as inductor's own sums. The ops: one row's
-`paged_attention` and `paged_block_attention` as gathers and a written-out softmax (the op's dispatch cost ~180 us a
-call; a batch-1 step makes 11), and its `moe_experts` as dot products over its k experts' gathered rows
-(`gathered_experts`), which inductor reads in place. Every one-row weight product (matrix-vector: the projections, MLPs
-and the LM head of a batch-1 step) written as a multiply-and-sum, which inductor generates itself and runs on every
-thread. NOTE: MKL's sgemv ran them on one thread (the other spun idle): a batch-1 step 10.1 -> 6.5 ms and 9.5 -> 6.2 ms
-on an AVX2 machine, 2 threads, interleaved. Inductor's own decompose_mm_pass does this too, but also rewrites batch-1
-bmm, whose sums over the key length then guard it."""
+model's ops for one row and its weight products in forms inductor fuses. One row's `paged_attention` and
+`paged_block_attention` as gathers and a written-out softmax (the op's dispatch: ~180 us a call, 11 a step), its
+`moe_experts` as `gathered_experts` (its k experts' rows read in place), and every matrix-vector product (projections,
+MLPs, LM head) as a multiply-and-sum inductor runs on every thread (MKL's sgemv uses one: 10.1 vs 6.5 ms a step).
+Inductor's decompose_mm_pass also does it, but rewrites batch-1 bmm too (then guarded on the key length)."""
 
 from typing import Any
 
@@ -31,8 +28,7 @@ def one_row_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                       keep: torch.Tensor, scale: float) -> torch.Tensor:
     """`paged_attention` of one query row, written out. NOTE: the max and the sum run in two levels (N/SUM_PIECE x
     SUM_PIECE): inductor's CPU code sums over 4096 floats another way, guarding the length on it, so a one-level sum
-    split the graph at 4096 keys (a recompile mid-serving). Written so, the batch-1 step is 1.8-2.3 ms, against 2.6 ms
-    through SDPA and 2.3-2.5 ms with the padding left to the max and sum, not sliced off (configs/tiny, 320 keys)."""
+    split the graph at 4096 keys (a recompile mid-serving). The batch-1 step: 1.8-2.3 ms, vs 2.6 ms through SDPA."""
     d, n, piece = q.shape[-1], rows.shape[-1], SUM_PIECE
     k, v = k_buf.view(-1, d)[rows], v_buf.view(-1, d)[rows]  # [1, H, N, D]
     s = F.pad((q.float() @ k.float().transpose(-1, -2) * scale).masked_fill(~keep, NEG_INF), (0, -n % piece),
@@ -72,9 +68,10 @@ def _moe(match: Match, q, ids, w, w13, w2, alpha: float, limit: float) -> None:
 
 
 def _one_row(match: Match) -> bool:
+    """A product of one row, and an addmm's bias and product unscaled (the forms below drop beta and alpha)."""
     a, b = match.kwargs["a"].meta.get("val"), match.kwargs["b"].meta.get("val")
-    return (a is not None and b is not None and a.device.type == "cpu" and a.dim() == 2
-            and isinstance(a.shape[0], int) and a.shape[0] == 1)
+    return (a is not None and b is not None and a.device.type == "cpu" and a.dim() == 2 and isinstance(a.shape[0], int)
+            and a.shape[0] == 1 and all(match.output_node().kwargs.get(k, 1) == 1 for k in ("beta", "alpha")))
 
 
 def _realized(*nodes: torch.fx.Node) -> None:
