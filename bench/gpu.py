@@ -60,7 +60,7 @@ def section(results: dict, name: str, fn, *args) -> None:
 
 def run_tests() -> dict:
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                        "tests/test_triton_decode.py"],
+                        "tests/test_triton_decode.py", "tests/test_triton_pointwise.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400)
     return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
 

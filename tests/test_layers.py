@@ -57,7 +57,7 @@ def test_norm_rope_of_parts_at_once_equals_each_part_alone():
     inv, pos = rope_inv_freq(8, 10000.0), torch.randint(0, 5000, (5,), generator=g)
     rot = rope_rotation(pos, inv, torch.float32)
     y, wq, wk = (torch.randn(*s, generator=g) for s in ((5, 6 * 16), (16,), (16,)))
-    q, k = norm_rope(y, [(wq, 4), (wk, 2)], 1e-6, rot)
+    q, k = norm_rope(y, wq, wk, 4, rot, 1e-6).tensor_split([4], 1)
     assert torch.equal(q, apply_rope(rms_norm(y[:, :64].view(5, 4, 16), wq, 1e-6), rot))
     assert torch.equal(k, apply_rope(rms_norm(y[:, 64:].view(5, 2, 16), wk, 1e-6), rot))
 

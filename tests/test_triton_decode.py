@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from engine_utils import TINY
 
-from engine.kernels import triton_decode
+from engine.kernels import triton_decode, triton_indexer
 from engine.model.loader import load_model
 from tests.forward_utils import PagedModel
 
@@ -64,7 +64,7 @@ def test_block_attention_kernel_equals_the_c_kernel(heads, group, dim, shared):
     if shared:  # (queries at positions 700..706 of one sequence: its key slots, one row read by every query)
         key_slots, q_pos = key_slots[:1].expand(len(q), -1), torch.arange(700, 700 + len(q), device=q.device)
     blocks = _blocks(q_pos.cpu(), heads, 4, 64, g).to(q.device)
-    got = triton_decode._blocks(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5)
+    got = triton_decode._block_attention(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5)
     want = triton_decode.paged_block_attention(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
@@ -95,12 +95,12 @@ def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim, bf16_dots):
                                atol=1e-2, rtol=1e-2)
     q_pos, g = lengths - 1, torch.Generator().manual_seed(3)
     blocks = _blocks(q_pos.cpu(), heads, 4, 64, g).to(q.device)
-    torch.testing.assert_close(triton_decode._blocks(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5).float(),
-                               triton_decode._blocks(q.float(), k.float(), v.float(), key_slots, blocks, q_pos, 64,
+    torch.testing.assert_close(triton_decode._block_attention(q, k, v, key_slots, blocks, q_pos, 64, dim ** -0.5).float(),
+                               triton_decode._block_attention(q.float(), k.float(), v.float(), key_slots, blocks, q_pos, 64,
                                                      dim ** -0.5), atol=1e-2, rtol=1e-2)
     iq, ik = q[:, 0, :2], k[:, :1].contiguous()  # (bf16 products are exact in float32: as the float32 form's)
-    torch.testing.assert_close(triton_decode._scores(iq, ik, key_slots, lengths, 64),
-                               triton_decode._gathered_scores(iq.float(), ik.float(), key_slots, lengths, 64),
+    torch.testing.assert_close(triton_indexer._scores(iq, ik, key_slots, lengths, 64),
+                               triton_indexer._gathered_scores(iq.float(), ik.float(), key_slots, lengths, 64),
                                atol=1e-4, rtol=1e-5)
 
 
@@ -108,8 +108,8 @@ def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim, bf16_dots):
 def test_block_score_kernel_equals_the_gathered_form(block_size):
     q, k, _, key_slots, lengths = _case(torch.float32, 1, 2, 32)
     iq, ik = q[:, 0], k
-    got = triton_decode._scores(iq, ik, key_slots, lengths, block_size)
-    want = triton_decode._gathered_scores(iq, ik, key_slots, lengths, block_size)
+    got = triton_indexer._scores(iq, ik, key_slots, lengths, block_size)
+    want = triton_indexer._gathered_scores(iq, ik, key_slots, lengths, block_size)
     assert got.shape == want.shape == (len(LENGTHS), 2, 1536 // block_size)
     past = want.isneginf()
     assert torch.equal(got.isneginf(), past) and past[0, :, 1:].all() and not past[-1].any()
@@ -151,8 +151,8 @@ def test_an_extend_through_the_block_kernel_equals_the_cpu_extend(monkeypatch):
 
 def test_a_kernel_that_raises_leaves_the_other_forms_serving(monkeypatch, caplog):
     monkeypatch.setattr(triton_decode, "_failed", [])
-    monkeypatch.setattr(triton_decode, "_attention", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    monkeypatch.setattr(triton_decode, "_attend_kernel", {})  # (its launch raises: a KeyError)
     q, k, v, key_slots, lengths = _case(torch.float32, 2, 4, 32)
-    got = torch.ops.minimax.triton_decode_attention(q, k, v, key_slots, lengths, 0.2)
+    got = torch.ops.minimax.triton_attention(q, k, v, key_slots, lengths, 0.2)
     torch.testing.assert_close(got, triton_decode._listed(q, k, v, key_slots, lengths, 0.2))
-    assert "no PTX" in caplog.text and not triton_decode.serves(torch.device("cuda"), 32)
+    assert "Triton's _attention failed" in caplog.text and not triton_decode.serves(torch.device("cuda"), 32)

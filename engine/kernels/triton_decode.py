@@ -1,11 +1,12 @@
-"""Decode attention, the indexer's block scores and block-sparse attention on CUDA as Triton kernels. The first two
-read each row's key count from a tensor (`lengths`): the key table is as wide as the longest context and a kernel's
-work is each row's keys, so one captured graph per batch size serves every context length. Where Triton cannot run
-(CPU), and for good once a launch has failed, the other forms serve (`paged_attention`, `block_scores`,
-`paged_block_attention`). `decode_attention` splits a row's keys over programs (flash-decoding: ~two per SM in all),
-each writing its part's output and log-sum-exp for torch to combine; `block_attention` walks a query's selected
-blocks in place (the other form gathers them: ~14 kernels a call). Keys in tiles (TILE, or a block), a KV head's query
-heads padded to 16 rows (tl.dot's least), dots in the buffers' dtype (bf16: tensor cores; float32 exact, `ieee`)."""
+"""Decode attention and block-sparse attention on CUDA as Triton kernels (the indexer's: triton_indexer.py). Decode
+attention reads each row's key count from a tensor (`lengths`): the key table is as wide as the longest context and a
+kernel's work is each row's keys, so one captured graph per batch size serves every context length. Where Triton cannot
+run (CPU), and for good once a launch has failed (`kernel_op`, for every Triton kernel here), the other forms serve
+(`paged_attention`, `paged_block_attention`). `decode_attention` splits a row's keys over programs (flash-decoding:
+~two per SM in all), each writing its part's output and log-sum-exp, then one kernel combines them; `block_attention`
+walks a query's selected blocks in place (the other form gathers them: ~14 kernels a call). Keys in tiles (TILE, or a
+block), a KV head's query heads padded to 16 rows (tl.dot's least), dots in the buffers' dtype (bf16: tensor cores;
+float32 exact, `ieee`)."""
 
 import functools
 import logging
@@ -14,7 +15,6 @@ import torch
 
 from engine.kernels.operator import operator
 from engine.kernels.paged_attention import paged_attention, paged_block_attention
-from engine.model.indexer import block_scores
 
 try:
     import triton
@@ -36,13 +36,19 @@ def usable(x: torch.Tensor, buf: torch.Tensor, *dims: int) -> bool:
     return serves(x.device, x.shape[-1], *dims) and buf.shape[-1] == x.shape[-1] and buf.is_contiguous()
 
 
-def _launch(kernel, fallback, *args):
-    try:
-        return kernel(*args)
-    except Exception as e:  # noqa: BLE001 - serving goes on, on the other forms
-        logger.exception("Triton's %s failed: the other form runs from now on (%s)", kernel.__name__, e)
-        _failed.append(e)
-        return fallback(*args)
+def kernel_op(schema: str, fallback, fake=None):
+    """Decorate a Triton kernel's host function (it launches the kernel): the op minimax::triton_<its name><schema>.
+    A launch that raises is logged and switches every Triton kernel off for good; `fallback(*args)` answers it."""
+    def register(launch):
+        def op(*args):
+            try:
+                return launch(*args)
+            except Exception as e:  # noqa: BLE001 - serving goes on, on the other forms
+                logger.exception("Triton's %s failed: the other forms run from now on (%s)", launch.__name__, e)
+                _failed.append(e)
+                return fallback(*args)
+        return operator(f"triton_{launch.__name__.strip('_')}{schema}", fake)(functools.update_wrapper(op, launch))
+    return register
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
@@ -50,45 +56,14 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     """softmax_j(q . k_j * scale) v_j over keys j < lengths[r] (>= 1) of row r, key j in slot key_slots[r, j]:
     q [B, H, G, D], k_buf and v_buf [slots, H, D], key_slots [B, N] -> [B, H, G, D]. Triton's kernel where it
     runs, else `paged_attention` over every head's buffer rows (on CPU its C kernel)."""
-    if usable(q, k_buf):
-        return _attention_op(q, k_buf, v_buf, key_slots, lengths, scale)
-    return _listed(q, k_buf, v_buf, key_slots, lengths, scale)
-
-
-def decode_block_scores(iq: torch.Tensor, ik_buf: torch.Tensor, key_slots: torch.Tensor, lengths: torch.Tensor,
-                        block_size: int) -> torch.Tensor:
-    """`block_scores` of iq [B, H, D] over row r's keys j < lengths[r] (index keys ik_buf [slots, 1, D]) -> [B, H,
-    ceil(N / block_size)] float32, -inf past a row's last block: Triton's kernel where it runs, else gathered keys."""
-    if usable(iq, ik_buf, block_size):
-        return _scores_op(iq, ik_buf, key_slots, lengths, block_size)
-    return _gathered_scores(iq, ik_buf, key_slots, lengths, block_size)
+    return (_attention if usable(q, k_buf) else _listed)(q, k_buf, v_buf, key_slots, lengths, scale)
 
 
 def block_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
                     blocks: torch.Tensor, q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
     """`paged_block_attention` (its arguments and result): Triton's kernel where it runs, else that op."""
-    if usable(q, k_buf, block_size):
-        return _blocks_op(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
-    return paged_block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
-
-
-@operator("triton_block_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor blocks, "
-          "Tensor q_pos, int block_size, float scale) -> Tensor")
-def _blocks_op(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
-    return _launch(_blocks, paged_block_attention, q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
-
-
-@operator("triton_decode_attention(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor lengths, "
-          "float scale) -> Tensor")
-def _attention_op(q, k_buf, v_buf, key_slots, lengths, scale):
-    return _launch(_attention, _listed, q, k_buf, v_buf, key_slots, lengths, scale)
-
-
-@operator("triton_block_scores(Tensor iq, Tensor ik_buf, Tensor key_slots, Tensor lengths, int block_size) -> Tensor",
-          fake=lambda iq, ik, slots, lengths, bs: iq.new_empty(*iq.shape[:2], -(-slots.shape[1] // bs),
-                                                               dtype=torch.float32))
-def _scores_op(iq, ik_buf, key_slots, lengths, block_size):
-    return _launch(_scores, _gathered_scores, iq, ik_buf, key_slots, lengths, block_size)
+    attend = _block_attention if usable(q, k_buf, block_size) else paged_block_attention
+    return attend(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
 
 
 def _listed(q, k_buf, v_buf, key_slots, lengths, scale):
@@ -97,16 +72,12 @@ def _listed(q, k_buf, v_buf, key_slots, lengths, scale):
     return paged_attention(q, k_buf, v_buf, rows, keep, scale)
 
 
-def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
-    visible = torch.arange(key_slots.shape[1], device=iq.device) < lengths[:, None]
-    return block_scores(iq[:, None], ik_buf[key_slots][:, :, 0], visible[:, None], block_size)[:, :, 0]
-
-
 @functools.cache
 def _programs(device: torch.device) -> int:  # (what a launch aims at: two programs an SM; 64 for the interpreter)
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 64
 
 
+@kernel_op("(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor lengths, float scale) -> Tensor", _listed)
 def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
     (b, h, g, d), q = q.shape, q.contiguous()
     splits = max(1, min(64, _programs(q.device) // (b * h)))  # (a row's keys over this many programs)
@@ -116,19 +87,14 @@ def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
                                    H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, TILE=TILE)
     if splits == 1:  # (one part a row and head: it is the output)
         return part[:, :, 0].to(q.dtype)
-    return (torch.softmax(lse, dim=2)[..., None] * part).sum(dim=2).to(q.dtype)  # (the parts, weighted by their sums)
-
-
-def _scores(iq, ik_buf, key_slots, lengths, block_size):
-    (b, h, d), nb = iq.shape, -(-key_slots.shape[1] // block_size)
-    per = -(-nb // max(1, min(nb, _programs(iq.device) // b)))  # (blocks a program)
-    out = torch.full((b, h, nb), float("-inf"), device=iq.device)
-    _scores_kernel[(b, -(-nb // per))](iq.contiguous(), ik_buf, key_slots, lengths, out, key_slots.stride(0), nb, per,
-                                       H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=block_size)
+    out = torch.empty_like(q)  # (the parts weighted by their sums: softmax over their log-sum-exps)
+    _combine_kernel[(b * h,)](part, lse, out, splits, G=g, GP=max(16, triton.next_power_of_2(g)), D=d)
     return out
 
 
-def _blocks(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
+@kernel_op("(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor blocks, Tensor q_pos, int block_size, "
+           "float scale) -> Tensor", paged_block_attention)
+def _block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
     (b, h, g, d), q = q.shape, q.contiguous()
     out = torch.empty_like(q)  # (contiguous, as the kernel writes it)
     _block_kernel[(b, h)](q, k_buf, v_buf, key_slots, blocks.contiguous(), q_pos.contiguous(), out,
@@ -174,20 +140,21 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         tl.store(part + at[:, None] * D + d[None, :], acc / tl.maximum(total, 1.0)[:, None], mask=g[:, None] < G)
         tl.store(lse + at, m + tl.log(total), mask=g < G)
 
-    @triton.jit(do_not_specialize=["per"])
-    def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, per, H: tl.constexpr, HP: tl.constexpr,
-                       D: tl.constexpr, BS: tl.constexpr):
-        r, s = tl.program_id(0), tl.program_id(1)
-        n = tl.load(lengths + r).to(tl.int32)
-        h, d, j = tl.arange(0, HP), tl.arange(0, D), tl.arange(0, BS)
-        qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
-        for blk in range(s * per, tl.minimum(s * per + per, tl.cdiv(n, BS))):  # (later blocks: no key of the row)
-            pos = blk * BS + j
-            ok = pos < n
-            at = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)[:, None] * D + d[None, :]
-            kv = tl.load(ik + at, mask=ok[:, None], other=0.0)
-            sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [HP, BS]
-            tl.store(out + (r * H + h) * nb + blk, tl.max(sc, 1), mask=h < H)
+    @triton.jit(do_not_specialize=["splits"])
+    def _combine_kernel(part, lse, out, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
+        """A row and KV head's parts [splits, G, D], each weighted by exp(its log-sum-exp - their max) (-inf: empty)."""
+        at, g, d = tl.program_id(0).to(tl.int64), tl.arange(0, GP), tl.arange(0, D)
+        top = tl.full([GP], float("-inf"), tl.float32)
+        for s in range(splits):
+            top = tl.maximum(top, tl.load(lse + (at * splits + s) * G + g, mask=g < G, other=float("-inf")))
+        acc, total = tl.zeros([GP, D], tl.float32), tl.zeros([GP], tl.float32)
+        for s in range(splits):
+            weight = tl.exp(tl.load(lse + (at * splits + s) * G + g, mask=g < G, other=0.0) - top)
+            rows = (at * splits + s) * G + g[:, None]
+            acc += weight[:, None] * tl.load(part + rows * D + d[None, :], mask=g[:, None] < G, other=0.0)
+            total += weight
+        tl.store(out + (at * G + g[:, None]) * D + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
+                 mask=g[:, None] < G)
 
     @triton.jit
     def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, H: tl.constexpr, G: tl.constexpr,

@@ -1,11 +1,12 @@
-"""Attention over the token-slot pool (model.md §2-§4): dense, block-sparse and the index-value branch, for an extend
-(one `Segment` per request) and for a fixed-shape decode step (`DecodeBatch`). Every function reads K/V through slot
-indices (a cached prefix and fresh tokens alike), after the caller has written this step's into the pool."""
+"""Attention over the token-slot pool (model.md §2-§4): dense, block-sparse and the index-value branch, for an extend (a
+`Segment` per request) and a decode step (`DecodeBatch`); K/V read by slot, after the caller wrote this step's."""
 
 import torch
 import torch.nn.functional as F
 
-from engine.kernels.triton_decode import block_attention, decode_attention, decode_block_scores
+from engine.kernels import triton_decode
+from engine.kernels.triton_decode import block_attention, decode_attention
+from engine.kernels.triton_indexer import decode_block_scores, decode_select
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import block_masks, block_scores, select_blocks
@@ -28,10 +29,12 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
 def decode_masks(b: DecodeBatch, cfg: ModelConfig) -> tuple:
     """What every layer of a decode step reads alike, made once a step: each row's key count (its position + 1)
-    and, with sparse layers, the block selection's `block_masks`."""
+    and, with sparse layers where Triton's selection kernel does not run, the block selection's `block_masks`."""
+    if not cfg.any_sparse or triton_decode.serves(b.positions.device):
+        return b.positions + 1, None
     nb = -(-b.key_slots.shape[1] // cfg.block_size)
-    return b.positions + 1, (block_masks(b.positions[:, None], nb, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
-                                         cfg.local_blocks) if cfg.any_sparse else None)
+    return b.positions + 1, block_masks(b.positions[:, None], nb, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
+                                        cfg.local_blocks)
 
 
 def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBatch, pool: MiniMaxSparseKVPool,
@@ -44,7 +47,8 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
         o = decode_attention(qh, k_buf, v_buf, b.key_slots, lengths, scale)
     else:  # NOTE: for any context length: with at most K blocks visible, all are selected (model.md §3.3)
         scores = decode_block_scores(iq, pool.get_index_k_buffer(layer_id), b.key_slots, lengths, cfg.block_size)
-        blocks = select_blocks(scores[:, :, None], selection)[:, :, 0]  # [B, n_kv, K]
+        blocks = decode_select(scores, b.positions, selection, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
+                               cfg.local_blocks)
         o = sparse_attend(q, k_buf, v_buf, b.key_slots, blocks, b.positions, cfg.block_size, scale)
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense over the whole history (model.md §4)
@@ -55,9 +59,8 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
 
 def sparse_attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
                   blocks: torch.Tensor, q_pos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
-    """Query r [R, n_q, D] at position q_pos[r] attends only to the keys of its selected blocks
-    blocks[r] [n_kv, K] (model.md §3.4): K*B keys per query and KV head, whatever the context length.
-    key_slots [R, N]: each query's key slots (rows of one sequence may share one)."""
+    """Query r [R, n_q, D] at position q_pos[r] attends only to the keys of its blocks blocks[r] [n_kv, K] (model.md
+    §3.4): K*B keys per query and KV head; key_slots [R, N]: each query's key slots (rows may share one)."""
     rows, n_kv = q.shape[0], k_buf.shape[1]
     qh = q.view(rows, n_kv, -1, q.shape[-1])
     return block_attention(qh, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale).reshape(rows, -1)
@@ -67,8 +70,7 @@ def sparse_attend(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key
 def _causal_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, segs: list[Segment], slots: torch.Tensor,
                  scale: float) -> list[torch.Tensor]:
     """Dense causal attention of each segment's queries (rows of q [T, heads, D]) over its keys (GQA) -> [queries,
-    heads, D] each. NOTE: the keys of all the segments gathered at once (`slots`: theirs, end to end), and the outputs
-    left as views for one `cat`: 16 prompts of 128 tokens launched 1,013 -> 684 kernels a step (bf16, as on CUDA)."""
+    heads, D] each. NOTE: keys gathered at once, outputs as views for one `cat`: 684 vs 1,013 kernels a step."""
     k_all, v_all, outs, at = k_buf[slots], v_buf[slots], [], 0
     for seg in segs:
         k, v = (x[at:at + seg.num_keys].transpose(0, 1)[None] for x in (k_all, v_all))  # [1, n_kv, N, D]
@@ -124,10 +126,8 @@ def _sparse_segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor, seg: Segme
 
 def _sparse_chunk(q: torch.Tensor, iq: torch.Tensor, ik: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                   seg: Segment, a: int, b: int, cfg: ModelConfig) -> torch.Tensor:
-    """The indexer and block-sparse attention for the segment's queries a..b-1: each query's
-    K*B selected keys read from the pool (`sparse_attend`). NOTE: on CPU nothing is gathered (the C kernel reads
-    in place): a 4k-token prefill 2.5 -> 1.4-1.7 s against gathering the selected blocks from a block-major copy
-    of the segment's K/V, or masking a dense SDPA, per chunk (configs/tiny, 2 threads)."""
+    """The indexer and block-sparse attention for the segment's queries a..b-1 (`sparse_attend`: each query's K*B keys
+    read from the pool). NOTE: on CPU read in place: a 4k-token prefill 1.4-1.7 vs 2.5 s gathering the blocks."""
     q_pos, scale = seg.q_pos(a, b), cfg.head_dim ** -0.5  # [1, T]
     first, n = seg.first_pos + a, seg.first_pos + b  # (keys before the chunk's first: all see; the chunk's last sees n)
     visible = torch.arange(first, n, device=q.device)[None, None, :] <= q_pos[:, :, None]  # [1, T, n - first]

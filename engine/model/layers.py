@@ -1,5 +1,6 @@
 """The decoder's building blocks (model.md §2): Gemma RMSNorm, partial NeoX RoPE, SwiGLU-OAI MLP, MoE. Parameters are in
-the forward pass's fused layout (gate|up fused, experts as 3-D tensors); loader.py converts both checkpoint layouts."""
+the forward pass's fused layout (gate|up fused, experts as 3-D tensors); loader.py converts both checkpoint layouts. On
+CUDA, where `fused.serves`, Triton kernels (triton_pointwise.py) run the PyTorch forms here in one kernel each."""
 
 import functools
 
@@ -7,28 +8,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import triton_pointwise as fused
 from engine.kernels.moe_experts import moe_experts, on_kernel
 from engine.model.config import ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w) in fp32, cast back; w [D] or per head
-    [heads, D]. NOTE: `F.rms_norm` is one fused kernel on CUDA (written out, seven); n * (1 + w) as n + n * w, one,
-    and in bf16 the cast back written by it (out=: one kernel fewer; in fp32, no cast, and out= slows the CPU's
-    compiled step 19.1 -> 21.5 ms at 64 rows, A/B)."""
+    """Gemma RMSNorm over the last dim: x / sqrt(mean(x^2) + eps) * (1 + w) in fp32, cast back; w [D] or [heads, D].
+    NOTE: `F.rms_norm` is one kernel on CUDA (written out, seven); n * (1 + w) as n + n * w, one; in bf16 it writes the
+    cast back (out=; in fp32 out= slows the CPU's compiled step 19.1 -> 21.5 ms at 64 rows)."""
+    if fused.serves(x) and weight.dim() == 1:
+        return fused.rms_norm(x, weight, eps)
     n = F.rms_norm(x.float(), x.shape[-1:], eps=eps)
     if x.dtype == n.dtype or torch.is_grad_enabled():  # (nothing to cast; or training: out= has no autograd)
         return torch.addcmul(n, n, weight.float()).to(x.dtype)
     return torch.addcmul(n, n, weight.float(), out=torch.empty_like(x))
 
 
-def norm_rope(y: torch.Tensor, parts: list[tuple[torch.Tensor, int]], eps: float, rot: torch.Tensor) -> list[torch.Tensor]:
-    """Per-head norm, then RoPE (model.md §2, §3.1), of consecutive parts [(w_i [d], heads_i)] of y [T, heads * d] at
-    once -> each part [T, heads_i, d]. NOTE: q with k (index q with k): a third of the kernels of one at a time."""
-    d = parts[0][0].shape[0]
-    w = torch.cat([norm.expand(heads, d) for norm, heads in parts])  # [heads, d]: each head's weight
-    out = apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
-    return list(out.split([heads for _, heads in parts], dim=1))
+def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, rot: torch.Tensor,
+              eps: float) -> torch.Tensor:
+    """Per-head norm, then RoPE (model.md §2, §3.1), of y [T, heads * d] -> [T, heads, d]: heads < first normed by w1
+    [d], the rest by w2. NOTE: q with k (index q with k) at once: a third of the kernels of one at a time."""
+    if fused.serves(y):
+        return fused.norm_rope(y, w1, w2, first, rot, eps)
+    d = w1.shape[0]
+    w = torch.cat([w1.expand(first, d), w2.expand(y.shape[1] // d - first, d)])  # [heads, d]: each head's weight
+    return apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -62,6 +67,8 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 
 def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """g = min(gate, lim), u = clamp(up, -lim, lim): g * sigmoid(alpha * g) * (u + 1), gate half first."""
+    if fused.serves(gate_up):
+        return fused.swiglu_oai(gate_up, alpha, limit)
     gate, up = gate_up.chunk(2, dim=-1)
     gate = gate.clamp(max=limit)
     act = gate * torch.sigmoid(alpha * gate)
@@ -82,6 +89,7 @@ class GatedMLP(nn.Module):
 
 
 GATHER_ROWS = 16
+PAIR_BYTES = 64 << 20  # CUDA: Triton's pair kernels unless they read this much more than the grouped form (a guess)
 
 
 @functools.cache  # (a constant to the compiler: precompiled.py says so)
@@ -97,12 +105,21 @@ def grouped_kernel(x: torch.Tensor) -> bool:
 
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      alpha: float, limit: float) -> torch.Tensor:
-    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s]: each token through its k experts, as dot products
-    over the gathered weights (`moe_experts`'s math). NOTE: as multiply-and-sum, inductor reads the k experts' rows in
-    place (one fused kernel, no gathered copy): 85 vs 126 us per layer for an einsum over `w13[ids]` (1 thread)."""
+    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s] (`moe_experts`'s math). NOTE: as multiply-and-sum,
+    inductor reads the k experts' rows in place (one kernel, no gathered copy): 85 vs 126 us a layer for an einsum."""
     h = swiglu_oai((x[:, None, None, :] * w13[ids]).sum(dim=-1), alpha, limit)  # [T, k, I]
     y = (h[:, :, None, :] * w2[ids]).sum(dim=-1)  # [T, k, H]
     return (y * w.to(y.dtype)[..., None]).sum(dim=1)
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids [T, k] (chosen on score + bias, score = sigmoid(logit)) and their normalized scores [T, k]."""
+    if fused.serves(logits):
+        return fused.route(logits, bias, top_k)
+    scores = torch.sigmoid(logits)
+    ids = torch.topk(scores + bias, top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    return ids, w / w.sum(dim=-1, keepdim=True)
 
 
 class MoE(nn.Module):
@@ -122,22 +139,20 @@ class MoE(nn.Module):
                        if cfg.shared_intermediate_size > 0 else None)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k expert ids [T, k] (chosen on score + bias) and their normalized scores [T, k] (fp32)."""
-        scores = torch.sigmoid(F.linear(x.float(), self.router))
-        ids = torch.topk(scores + self.router_bias, self.top_k, dim=-1).indices
-        w = scores.gather(1, ids)
-        return ids, w / w.sum(dim=-1, keepdim=True)
+        return route(F.linear(x.float(), self.router), self.router_bias, self.top_k)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE(x): each token through its k experts only, in static-shape forms with no host sync (a captured step runs
-        them as is). On CPU in float32 the C kernel (it groups tokens by expert itself). Else the (token, expert) pairs
-        sorted by expert through grouped matmuls, where torch's grouped kernel needs no sync (`grouped_kernel`), the
-        gathered experts otherwise (float32 on CUDA, or a pre-Hopper GPU: its grouped matmul reads group sizes on the
-        host). NOTE: kernel / loop over experts / all experts for all tokens, configs/tiny layer, 2 threads: 32 tokens
-        0.33 / 0.58 / 0.90 ms, 64 tokens 0.51 / 0.80 / 1.54 ms, 2048 tokens 12.9 / 14.1 / 86 ms."""
+        them as is). On CPU in float32 the C kernel (grouping tokens by expert itself). On CUDA Triton's two kernels
+        over the (token, expert) pairs unless they read much more than the grouped form (`PAIR_BYTES`): pairs sorted by
+        expert through grouped matmuls where torch's grouped kernel needs no sync (`grouped_kernel`), else the gathered
+        experts. NOTE: C kernel / loop over experts / all experts, 64 tokens: 0.51 / 0.80 / 1.54 ms."""
         ids, w = self.route(x)
         if on_kernel(x, self.w13, self.w2):
             routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
+        elif fused.serves(x) and (not grouped_kernel(x) or (ids.numel() - self.w13.shape[0]) * (
+                self.w13[0].nbytes + self.w2[0].nbytes) <= PAIR_BYTES):
+            routed = fused.gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         elif grouped_kernel(x):
             routed = self._grouped(x, ids, w)
         else:  # (in pieces of GATHER_ROWS tokens: the gathered weights are k expert copies a token)

@@ -1,6 +1,5 @@
-"""The MiniMax-M3-style decoder (model.md §2-§4) over the sparse KV pool. One fused input projection per layer
-yields q, k, v and, on sparse layers, the indexer's q, k (and the index value); one fused output projection maps
-[attention | index value] back to the hidden size."""
+"""The MiniMax-M3-style decoder (model.md §2-§4) over the sparse KV pool: per layer, one fused input projection (q, k, v
+and, on sparse layers, the indexer's q, k and index value) and one fused output projection."""
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +18,7 @@ class Attention(nn.Module):
         self.cfg, self.layer_id, self.kind = cfg, layer_id, cfg.layer_kinds[layer_id]
         d, di = cfg.head_dim, cfg.index_head_dim
         sparse, value = self.kind != "dense", self.kind == "sparse_index_kv"
-        # Rows of the fused projection: q, k, [index q, index k], v, [index v]: the parts that are normed and
-        # rotated come first and are contiguous (weight_names.py builds it from a checkpoint's tensors).
+        # Fused projection rows: q, k, [index q, index k], v, [index v]: the normed and rotated first (weight_names.py).
         self.splits = ([cfg.num_heads * d, cfg.num_kv_heads * d] + ([cfg.index_num_heads * di, di] if sparse else [])
                        + [cfg.num_kv_heads * d] + ([di] if value else []))
         o_in = cfg.num_heads * d + (cfg.index_num_heads * di if value else 0)
@@ -35,13 +33,13 @@ class Attention(nn.Module):
         c, t, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
         y = F.linear(x, self.qkv_proj)
         parts, qk = list(y.split(self.splits, dim=-1)), sum(self.splits[:2])
-        q, k = norm_rope(y[:, :qk], [(self.q_norm, c.num_heads), (self.k_norm, c.num_kv_heads)], eps, rot)
+        q, k = norm_rope(y[:, :qk], self.q_norm, self.k_norm, c.num_heads, rot, eps).tensor_split([c.num_heads], 1)
         v = parts[-2 if self.kind == "sparse_index_kv" else -1].view(t, c.num_kv_heads, c.head_dim)
         pool.set_kv_buffer(self.layer_id, batch.out_cache_loc, k, v)
         iq = None
         if self.kind != "dense":
-            iq, ik = norm_rope(y[:, qk:qk + sum(self.splits[2:4])],
-                               [(self.index_q_norm, c.index_num_heads), (self.index_k_norm, 1)], eps, rot)
+            iq, ik = norm_rope(y[:, qk:qk + sum(self.splits[2:4])], self.index_q_norm, self.index_k_norm,
+                               c.index_num_heads, rot, eps).tensor_split([c.index_num_heads], 1)
             if self.kind == "sparse_index_kv":
                 pool.set_index_kv_buffer(self.layer_id, batch.out_cache_loc, ik, parts[-1].view(t, 1, -1))
             else:

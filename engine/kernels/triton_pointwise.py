@@ -1,0 +1,157 @@
+"""The decoder's pointwise chains and the MoE's routing and experts on CUDA as Triton kernels, one each where layers.py's
+PyTorch forms launch several: Gemma RMSNorm (3), q with k normed and rotated (8), SwiGLU-OAI (6), the router's top-k
+(6), each (token, expert) pair's products (2 against 13 grouped). With triton_indexer's, a bf16 decode step of
+configs/tiny launches 196 kernels, 559 without. Each computes in float32 and rounds once (bf16: within the PyTorch
+forms' rounding). layers.py asks `serves`; its own forms serve elsewhere, and for good after a failed launch."""
+
+import importlib
+
+import torch
+
+from engine.kernels import triton_decode
+from engine.kernels.triton_decode import kernel_op, tl, triton
+
+
+def serves(x: torch.Tensor) -> bool:
+    """Whether the kernels run for x: where Triton's decode kernels do, and not for training (no autograd here)."""
+    return triton_decode.serves(x.device) and not torch.is_grad_enabled()
+
+
+def _op(schema: str, fake=None):  # (after a failure, layers.py's form of the same name: it imports this module)
+    return lambda launch: kernel_op(schema, lambda *a: getattr(importlib.import_module("engine.model.layers"),
+                                                               launch.__name__)(*a), fake)(launch)
+
+
+@_op("(Tensor x, Tensor weight, float eps) -> Tensor")
+def rms_norm(x, weight, eps):
+    """layers.rms_norm of x [..., n] with weight [n]."""
+    n, x = x.shape[-1], x.contiguous()
+    out = torch.empty_like(x)
+    _rms_kernel[(x.numel() // n,)](x, weight, out, n, eps, N=triton.next_power_of_2(n))
+    return out
+
+
+@_op("(Tensor y, Tensor w1, Tensor w2, int first, Tensor rot, float eps) -> Tensor",
+     fake=lambda y, w1, *_: y.new_empty(y.shape[0], y.shape[1] // w1.shape[0], w1.shape[0]))
+def norm_rope(y, w1, w2, first, rot, eps):
+    """layers.norm_rope (y's rows may be strided)."""
+    (t, width), d = y.shape, w1.shape[0]
+    y = y if y.stride(1) == 1 else y.contiguous()
+    out = torch.empty(t, width // d, d, dtype=y.dtype, device=y.device)
+    _norm_rope_kernel[(t,)](y, w1, w2, rot.contiguous(), out, y.stride(0), width // d, first, eps,
+                            HP=triton.next_power_of_2(width // d), D=d, R=2 * rot.shape[-1])
+    return out
+
+
+@_op("(Tensor gate_up, float alpha, float limit) -> Tensor",
+     fake=lambda x, *_: x.new_empty(*x.shape[:-1], x.shape[-1] // 2))
+def swiglu_oai(gate_up, alpha, limit):
+    """layers.swiglu_oai of gate_up [..., 2I] -> [..., I]."""
+    i, gate_up = gate_up.shape[-1] // 2, gate_up.contiguous()
+    out, block = gate_up.new_empty(*gate_up.shape[:-1], i), min(1024, triton.next_power_of_2(i))
+    _swiglu_kernel[(gate_up.numel() // (2 * i), triton.cdiv(i, block))](gate_up, out, i, alpha, limit, BLOCK=block)
+    return out
+
+
+@_op("(Tensor logits, Tensor bias, int top_k) -> (Tensor, Tensor)",
+     fake=lambda x, bias, k: (x.new_empty(x.shape[0], k, dtype=torch.int64), x.new_empty(x.shape[0], k)))
+def route(logits, bias, top_k):
+    """layers.route of the router's float32 logits [T, E]: ids [T, k] (descending, ties to the lower id) and w."""
+    (t, e), logits = logits.shape, logits.contiguous()
+    ids, w = torch.empty(t, top_k, dtype=torch.int64, device=logits.device), torch.empty_like(logits[:, :top_k])
+    _route_kernel[(t,)](logits, bias, ids, w, e, K=top_k, KP=triton.next_power_of_2(top_k),
+                        EP=triton.next_power_of_2(e))
+    return ids, w
+
+
+@_op("(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit) -> Tensor")
+def gathered_experts(x, ids, w, w13, w2, alpha, limit):
+    """layers.gathered_experts in two kernels, each (token, expert) pair reading its expert's rows in place: the
+    SwiGLU-OAI activations of every pair [T * k, I], then each token's weighted sum of its pairs' down projections."""
+    (t, h), (k, i), x = x.shape, (ids.shape[1], w2.shape[2]), x.contiguous()
+    act, out, ids, w = x.new_empty(t * k, i), torch.empty_like(x), ids.contiguous(), w.contiguous()
+    _experts_up_kernel[(t * k, triton.cdiv(i, 32))](x, ids, w13, act, h, i, alpha, limit, K=k, BI=32, BH=128)
+    _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, out, h, i, K=k, BO=32, BI=128)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _rms_kernel(x, w, out, n, eps, N: tl.constexpr):
+        at = tl.program_id(0).to(tl.int64) * n + tl.arange(0, N)
+        ok = tl.arange(0, N) < n
+        v = tl.load(x + at, mask=ok, other=0.0).to(tl.float32)
+        v = v * tl.rsqrt(tl.sum(v * v, 0) / n + eps)
+        tl.store(out + at, (v + v * tl.load(w + tl.arange(0, N), mask=ok).to(tl.float32)).to(out.dtype.element_ty),
+                 mask=ok)
+
+    @triton.jit
+    def _norm_rope_kernel(y, w1, w2, rot, out, stride, heads, first, eps, HP: tl.constexpr, D: tl.constexpr,
+                          R: tl.constexpr):
+        """Token t's heads [HP, D]: normed, and channel c < R rotated with its pair's mate c +- R/2 (model.md §3.1):
+        out_c = rot[a, a] n_c + rot[a, 1 - a] n_mate (a = c >= R/2), at rot's offsets c + R*a and c + R/2."""
+        t, h, c = tl.program_id(0).to(tl.int64), tl.arange(0, HP)[:, None], tl.arange(0, D)[None, :]
+        ok, rotated, mate = h < heads, c < R, tl.where(c < R // 2, c + R // 2, c - R // 2)
+        row = y + t * stride + h * D
+        x = tl.load(row + c, mask=ok, other=0.0).to(tl.float32)
+        xm = tl.load(row + mate, mask=ok & rotated, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None]
+        n = x * rstd * (1 + tl.where(h < first, tl.load(w1 + c), tl.load(w2 + c)).to(tl.float32))
+        nm = xm * rstd * (1 + tl.where(h < first, tl.load(w1 + mate), tl.load(w2 + mate)).to(tl.float32))
+        at = rot + t * 2 * R + c
+        same = tl.load(at + tl.where(c < R // 2, 0, R), mask=rotated, other=1.0).to(tl.float32)
+        cross = tl.load(at + R // 2, mask=rotated, other=0.0).to(tl.float32)
+        tl.store(out + (t * heads + h) * D + c, (same * n + cross * nm).to(out.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def _swiglu_kernel(gate_up, out, inter, alpha, limit, BLOCK: tl.constexpr):
+        r, c = tl.program_id(0).to(tl.int64), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = c < inter
+        g = tl.minimum(tl.load(gate_up + r * 2 * inter + c, mask=ok, other=0.0).to(tl.float32), limit)
+        u = tl.load(gate_up + r * 2 * inter + inter + c, mask=ok, other=0.0).to(tl.float32)
+        act = g * tl.sigmoid(alpha * g)
+        tl.store(out + r * inter + c, (act + act * tl.minimum(tl.maximum(u, -limit), limit)).to(out.dtype.element_ty),
+                 mask=ok)
+
+    @triton.jit
+    def _route_kernel(logits, bias, ids, w, n, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr):
+        t, e, s = tl.program_id(0).to(tl.int64), tl.arange(0, EP), tl.arange(0, KP)
+        score = tl.sigmoid(tl.load(logits + t * n + e, mask=e < n, other=0.0))
+        key = tl.where(e < n, score + tl.load(bias + e, mask=e < n, other=0.0), float("-inf"))
+        picked = tl.zeros([KP], tl.float32)
+        for i in tl.static_range(K):  # (the k best keys, one at a time; tl.argmax: the first of equal ones)
+            best = tl.argmax(key, 0)
+            picked = tl.where(s == i, tl.sum(tl.where(e == best, score, 0.0)), picked)
+            tl.store(ids + t * K + i, best.to(tl.int64))
+            key = tl.where(e == best, float("-inf"), key)
+        tl.store(w + t * K + s, picked / tl.sum(picked), mask=s < K)
+
+    @triton.jit
+    def _experts_up_kernel(x, ids, w13, act, n, inter, alpha, limit, K: tl.constexpr, BI: tl.constexpr,
+                           BH: tl.constexpr):
+        p, c = tl.program_id(0).to(tl.int64), tl.program_id(1) * BI + tl.arange(0, BI)  # (pair p, activations c)
+        rows = w13 + tl.load(ids + p) * 2 * inter * n + c[:, None] * n  # (the gate rows; the up rows inter below)
+        gate, up = tl.zeros([BI], tl.float32), tl.zeros([BI], tl.float32)
+        for at in range(0, n, BH):
+            j = at + tl.arange(0, BH)
+            xv = tl.load(x + p // K * n + j, mask=j < n, other=0.0).to(tl.float32)[None, :]
+            ok = (c[:, None] < inter) & (j[None, :] < n)
+            gate += tl.sum(tl.load(rows + j[None, :], mask=ok, other=0.0).to(tl.float32) * xv, 1)
+            up += tl.sum(tl.load(rows + inter * n + j[None, :], mask=ok, other=0.0).to(tl.float32) * xv, 1)
+        g, up = tl.minimum(gate, limit), tl.minimum(tl.maximum(up, -limit), limit)
+        a = g * tl.sigmoid(alpha * g)
+        tl.store(act + p * inter + c, (a + a * up).to(act.dtype.element_ty), mask=c < inter)
+
+    @triton.jit
+    def _experts_down_kernel(act, ids, w, w2, out, n, inter, K: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+        t, o = tl.program_id(0).to(tl.int64), tl.program_id(1) * BO + tl.arange(0, BO)  # (token t, outputs o)
+        total = tl.zeros([BO], tl.float32)
+        for s in range(K):
+            rows, y = w2 + tl.load(ids + t * K + s) * n * inter + o[:, None] * inter, tl.zeros([BO], tl.float32)
+            for at in range(0, inter, BI):
+                j = at + tl.arange(0, BI)
+                av = tl.load(act + (t * K + s) * inter + j, mask=j < inter, other=0.0).to(tl.float32)[None, :]
+                wv = tl.load(rows + j[None, :], mask=(o[:, None] < n) & (j[None, :] < inter), other=0.0)
+                y += tl.sum(wv.to(tl.float32) * av, 1)
+            total += tl.load(w + t * K + s).to(tl.float32) * y
+        tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)

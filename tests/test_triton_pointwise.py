@@ -1,0 +1,126 @@
+"""Triton's pointwise kernels (engine/kernels/triton_pointwise.py) and the decode step's block selection
+(triton_decode's `_select`), compiled on a GPU (`make bench-gpu` runs this file) and run by Triton's interpreter
+elsewhere: against layers.py's and indexer.py's PyTorch forms, in float32 (to its rounding) and bfloat16 (the kernels
+round once, the PyTorch forms between steps: within bf16's rounding), at widths that are and are not powers of two.
+A whole decode step through every kernel: tests/test_triton_decode.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import triton_decode, triton_indexer
+from engine.kernels import triton_pointwise as fused
+from engine.model import layers
+from engine.model.indexer import block_masks, select_blocks
+from tests.test_layers import _moe, _moe_reference
+
+pytestmark = pytest.mark.skipif(fused.triton is None, reason="Triton is not installed")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape
+    tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
+def _randn(*shape: int, g: torch.Generator, scale: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [256, 200])
+def test_rms_norm_kernel_equals_the_pytorch_form(dtype, n):
+    g = torch.Generator().manual_seed(0)
+    x, w = _randn(3, 5, n, g=g, scale=3.0, dtype=dtype), _randn(n, g=g, scale=0.2, dtype=dtype)
+    _close(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,first,d,rotary", [(10, 8, 32, 16), (3, 2, 32, 16), (20, 16, 128, 64), (2, 1, 64, 64)])
+def test_norm_rope_kernel_equals_the_pytorch_form(dtype, heads, first, d, rotary):
+    """Rows strided as in a layer (the q|k columns of the fused projection's output), positions up to 60k."""
+    g = torch.Generator().manual_seed(1)
+    y = _randn(7, heads * d + 96, g=g, scale=2.0, dtype=dtype)[:, :heads * d]
+    w1, w2 = _randn(d, g=g, scale=0.3, dtype=dtype), _randn(d, g=g, scale=0.3, dtype=dtype)
+    rot = layers.rope_rotation(torch.randint(0, 60000, (7,), generator=g).to(DEVICE),
+                               layers.rope_inv_freq(rotary, 1e6).to(DEVICE), dtype)
+    _close(fused.norm_rope(y, w1, w2, first, rot, 1e-6), layers.norm_rope(y, w1, w2, first, rot, 1e-6), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [256, 96, 1536])  # (1536: two column programs, the second partly masked)
+def test_swiglu_kernel_equals_the_pytorch_form(dtype, inter):
+    g = torch.Generator().manual_seed(2)
+    gate_up = _randn(4, 2, 2 * inter, g=g, scale=5.0, dtype=dtype)  # (values past the limit, +-7, on both halves)
+    _close(fused.swiglu_oai(gate_up, 1.702, 7.0), layers.swiglu_oai(gate_up, 1.702, 7.0), dtype)
+
+
+@pytest.mark.parametrize("experts,k", [(8, 2), (64, 4), (256, 8), (48, 6)])
+def test_route_kernel_equals_the_pytorch_form(experts, k):
+    g = torch.Generator().manual_seed(3)
+    logits, bias = _randn(9, experts, g=g, scale=2.0), _randn(experts, g=g, scale=0.1)
+    ids, w = fused.route(logits, bias, k)
+    want_ids, want_w = layers.route(logits, bias, k)
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-6)
+    tied, _ = fused.route(torch.zeros(2, experts, device=DEVICE), torch.zeros(experts, device=DEVICE), k)
+    assert tied.tolist() == [list(range(k))] * 2  # (equal keys: the lower ids, in order)
+
+
+@pytest.mark.parametrize("block_size,topk,init,local", [(64, 4, 1, 1), (16, 6, 0, 1), (64, 8, 2, 2)])
+def test_select_kernel_equals_select_blocks(block_size, topk, init, local):
+    """Rows from one visible block to all nb, heads with tied scores (zeros, and -0.0 beside 0.0)."""
+    g, nb = torch.Generator().manual_seed(4), 40
+    q_pos = torch.tensor([0, block_size - 1, block_size, 3 * block_size + 5, 20 * block_size, nb * block_size - 1])
+    scores = torch.randn(len(q_pos), 3, nb, generator=g)
+    scores[:, 1] = 0.0
+    scores[:, 2, ::2] = -0.0
+    scores, q_pos = scores.to(DEVICE), q_pos.to(DEVICE)
+    got = triton_indexer._select(scores, q_pos, block_size, topk, init, local)
+    masks = block_masks(q_pos[:, None], nb, block_size, topk, init, local)
+    assert torch.equal(got, select_blocks(scores[:, :, None], masks)[:, :, 0])
+    assert torch.equal(triton_indexer._selected(scores, q_pos, block_size, topk, init, local), got)  # (after a failure)
+    assert (got[0, :, 1:] == -1).all() and (got[-1] >= 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens,k,experts,hidden,inter", [(3, 2, 8, 256, 256), (1, 4, 64, 200, 96), (5, 2, 4, 64, 300)])
+def test_expert_pair_kernels_equal_the_gathered_experts(dtype, tokens, k, experts, hidden, inter):
+    """Hidden and intermediate sizes in and out of the kernels' blocks; experts shared by tokens (4 experts)."""
+    g = torch.Generator().manual_seed(6)
+    x, w13, w2 = (_randn(*s, g=g, scale=f, dtype=dtype) for s, f in
+                  (((tokens, hidden), 5.0), ((experts, 2 * inter, hidden), 0.1), ((experts, hidden, inter), 0.1)))
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
+    w = torch.rand(tokens, k, generator=g).to(DEVICE)
+    want = layers.gathered_experts(x.double(), ids, w.double(), w13.double(), w2.double(), 1.702, 7.0)
+    got = fused.gathered_experts(x, ids, w, w13, w2, 1.702, 7.0)  # (bf16: each pair's activations rounded, as the
+    assert got.dtype == dtype  # grouped form's are)
+    top = want.abs().max().item()  # (bf16: within its rounding of the largest outputs)
+    tol = {"atol": 1e-6 * top, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2 * top, "rtol": 2e-2}
+    torch.testing.assert_close(got.double(), want, **tol)
+
+
+@pytest.mark.parametrize("pair_bytes", [64 << 20, -1 << 60])  # (Triton's pairs; the grouped form)
+def test_an_moe_layer_through_the_kernels_equals_its_reference(pair_bytes, monkeypatch):
+    """configs/tiny's MoE (8 experts, top-2) on 6 tokens, every Triton kernel it takes against model.md written out
+    in float64 (test_layers' reference); the pairs while they read at most PAIR_BYTES more than the grouped form."""
+    moe, x = _moe(2, 0), torch.randn(6, 256, generator=torch.Generator().manual_seed(7))
+    monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: True)
+    monkeypatch.setattr(layers, "on_kernel", lambda *a: False)  # (CPU float32's C kernel)
+    monkeypatch.setattr(layers, "PAIR_BYTES", pair_bytes)
+    calls, real = [], fused.gathered_experts
+    monkeypatch.setattr(fused, "gathered_experts", lambda *a: calls.append(1) or real(*a))
+    with torch.no_grad():
+        got = moe(x.to(DEVICE))
+    assert len(calls) == (pair_bytes > 0)
+    torch.testing.assert_close(got.double().cpu(), _moe_reference(moe, x), atol=1e-5, rtol=1e-5)
+
+
+def test_a_pointwise_kernel_that_raises_leaves_the_pytorch_forms_serving(monkeypatch, caplog):
+    monkeypatch.setattr(triton_decode, "_failed", [])
+    monkeypatch.setattr(fused, "_swiglu_kernel", None)  # (its launch raises: None is not subscriptable)
+    gate_up = _randn(3, 64, g=torch.Generator().manual_seed(5), scale=5.0)
+    torch.testing.assert_close(fused.swiglu_oai(gate_up, 1.702, 7.0), layers.swiglu_oai(gate_up, 1.702, 7.0))
+    assert "swiglu_oai" in caplog.text and triton_decode._failed and not triton_decode.serves(torch.device("cuda"))
