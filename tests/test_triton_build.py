@@ -1,0 +1,88 @@
+"""Every Triton kernel a decode step launches builds for a Hopper GPU (sm_90) here, with no GPU: Triton's own compiler
+and its bundled ptxas. Triton's interpreter (tests/test_triton_*.py) runs what a GPU's compiler may refuse (a
+construct, a dtype mix, a layout). The launches are recorded from configs/tiny decode steps in bfloat16 and float32
+through CUDA's forms (their outputs left unwritten), then each distinct one compiled with its arguments' types and
+constexprs, in a process without the interpreter (conftest.py turns it on)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.kernels import triton_decode
+
+pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")
+ROOT = Path(__file__).resolve().parents[1]
+KERNELS = {"_attend_kernel", "_combine_kernel", "_block_kernel", "_scores_kernel", "_select_kernel", "_rms_kernel",
+           "_norm_rope_kernel", "_swiglu_kernel", "_route_kernel", "_experts_up_kernel", "_experts_down_kernel"}
+
+
+def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | {"TRITON_DEFAULT_FP_FUSION": "1"}
+    p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
+    built = [line.split() for line in p.stdout.splitlines() if line.startswith("built ")]
+    assert {name for _, name, _ in built} == KERNELS and {dtype for *_, dtype in built} == {"bf16", "fp32"}, built
+
+
+class _Recorder:
+    """Stands for a kernel: records each launch's arguments instead of running it."""
+
+    def __init__(self, kernel, launches: list) -> None:
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        return lambda *args, **constexprs: self.launches.append((self.kernel, args, constexprs))
+
+
+def _type(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32"}[x.dtype]
+    if isinstance(x, float):
+        return "fp32"
+    return "i32" if -2**31 <= x < 2**31 else "i64"
+
+
+def _build_every_launch() -> None:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from engine.kernels import triton_indexer, triton_pointwise
+    from engine.model import layers
+    from engine.model.loader import load_model
+    from tests.engine_utils import TINY
+    from tests.forward_utils import PagedModel
+
+    launches, on_kernel = [], layers.on_kernel
+    for module in (triton_decode, triton_indexer, triton_pointwise):
+        for name in KERNELS & set(vars(module)):
+            setattr(module, name, _Recorder(getattr(module, name), launches))
+    for dtype in (torch.bfloat16, torch.float32):
+        paged = PagedModel(load_model(TINY, dtype=dtype), size=4 * 400 + 64, max_requests=4)
+        kvs = [paged.kv.admit([]) for _ in range(4)]
+        prompts = [torch.randint(0, 4000, (300,), generator=torch.Generator().manual_seed(i)).tolist() for i in range(4)]
+        batch = paged.decode_batch(kvs, [int(x[-1].argmax()) for x in paged.step(kvs, prompts)])
+        triton_decode.serves = lambda device, *dims: True  # (CUDA's forms from here: this process ends after)
+        layers.on_kernel = lambda *tensors: False  # (the CPU's MoE kernel)
+        with torch.no_grad():
+            paged.decode_step(batch)
+        triton_decode.serves, layers.on_kernel = lambda device, *dims: False, on_kernel
+    seen = set()
+    for kernel, args, constexprs in launches:
+        signature = dict(zip(kernel.arg_names, map(_type, args))) | dict.fromkeys(constexprs, "constexpr")
+        key = (kernel.__name__, tuple(signature.values()), tuple(constexprs.items()))
+        if key not in seen:
+            seen.add(key)
+            triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+            print("built", kernel.__name__, "bf16" if "*bf16" in signature.values() else "fp32", flush=True)
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    _build_every_launch()
