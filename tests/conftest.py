@@ -13,6 +13,17 @@ if not torch.cuda.is_available():  # (Triton's kernels run by its interpreter: t
 from tests.reliability_utils import reference_ids
 
 
+@pytest.fixture
+def no_failed_launch():
+    """A Triton test fails if a launch raised: the op answered with the PyTorch form its result is compared to."""
+    from engine.kernels import triton_decode
+
+    yield
+    failed = list(triton_decode._failed)
+    triton_decode._failed.clear()
+    assert not failed, failed
+
+
 @pytest.fixture(scope="module")
 def client(srv):
     """An httpx client on the module's live server."""

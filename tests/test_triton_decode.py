@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from engine_utils import TINY
 
-from engine.kernels import triton_decode, triton_indexer
+from engine.kernels import triton_decode, triton_indexer, triton_pointwise
 from engine.model.loader import load_model
 from tests.forward_utils import PagedModel
 
-pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")
+pytestmark = [pytest.mark.usefixtures("no_failed_launch"),
+              pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")]
 triton = triton_decode.triton
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -156,3 +157,18 @@ def test_a_kernel_that_raises_leaves_the_other_forms_serving(monkeypatch, caplog
     got = torch.ops.minimax.triton_attention(q, k, v, key_slots, lengths, 0.2)
     torch.testing.assert_close(got, triton_decode._listed(q, k, v, key_slots, lengths, 0.2))
     assert "Triton's _attention failed" in caplog.text and not triton_decode.serves(torch.device("cuda"), 32)
+
+
+def test_a_step_whose_first_launch_raises_ends_on_the_other_forms(monkeypatch, caplog):
+    """Layer 0's norm raises, after the step left its block selection to the kernel (no masks made): the step ends
+    on the PyTorch forms, selection included, with the same logits."""
+    paged = PagedModel(load_model(TINY, device=DEVICE), size=1600, max_requests=2)
+    prompts = [torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (300, 700)]
+    kvs = [paged.kv.admit([]) for _ in prompts]
+    batch = paged.decode_batch(kvs, [int(x[-1].argmax()) for x in paged.step(kvs, prompts)])
+    want = paged.decode_step(batch)
+    monkeypatch.setattr(triton_decode, "_failed", [])
+    monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: not triton_decode._failed)
+    monkeypatch.setattr(triton_pointwise, "_rms_kernel", {})  # (its launch raises: a KeyError)
+    torch.testing.assert_close(paged.decode_step(batch), want, atol=1e-4, rtol=1e-4)
+    assert "Triton's rms_norm failed" in caplog.text and triton_decode._failed

@@ -15,10 +15,13 @@ from engine.model import layers
 from engine.model.indexer import block_masks, select_blocks
 from tests.test_layers import _moe, _moe_reference
 
-pytestmark = pytest.mark.skipif(fused.triton is None, reason="Triton is not installed")
+pytestmark = [pytest.mark.usefixtures("no_failed_launch"),
+              pytest.mark.skipif(fused.triton is None, reason="Triton is not installed")]
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# NOTE: the references are layers.py's PyTorch forms whatever the device: tests run with grad enabled, where
+# `fused.serves` is False (the kernels are called as ops directly).
 def _close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
     assert got.dtype == want.dtype == dtype and got.shape == want.shape
     tol = {"atol": 2e-5, "rtol": 2e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1.6e-2}
@@ -106,6 +109,8 @@ def test_expert_pair_kernels_equal_the_gathered_experts(dtype, tokens, k, expert
 def test_an_moe_layer_through_the_kernels_equals_its_reference(pair_bytes, monkeypatch):
     """configs/tiny's MoE (8 experts, top-2) on 6 tokens, every Triton kernel it takes against model.md written out
     in float64 (test_layers' reference); the pairs while they read at most PAIR_BYTES more than the grouped form."""
+    if DEVICE == "cuda" and pair_bytes < 0:
+        pytest.skip("float32 on CUDA has no grouped form: always the pairs")
     moe, x = _moe(2, 0), torch.randn(6, 256, generator=torch.Generator().manual_seed(7))
     monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: True)
     monkeypatch.setattr(layers, "on_kernel", lambda *a: False)  # (CPU float32's C kernel)
@@ -113,9 +118,9 @@ def test_an_moe_layer_through_the_kernels_equals_its_reference(pair_bytes, monke
     calls, real = [], fused.gathered_experts
     monkeypatch.setattr(fused, "gathered_experts", lambda *a: calls.append(1) or real(*a))
     with torch.no_grad():
-        got = moe(x.to(DEVICE))
+        got = moe.to(DEVICE)(x.to(DEVICE))
     assert len(calls) == (pair_bytes > 0)
-    torch.testing.assert_close(got.double().cpu(), _moe_reference(moe, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.double().cpu(), _moe_reference(moe.cpu(), x), atol=1e-5, rtol=1e-5)
 
 
 def test_a_pointwise_kernel_that_raises_leaves_the_pytorch_forms_serving(monkeypatch, caplog):

@@ -88,7 +88,7 @@ def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
     if splits == 1:  # (one part a row and head: it is the output)
         return part[:, :, 0].to(q.dtype)
     out = torch.empty_like(q)  # (the parts weighted by their sums: softmax over their log-sum-exps)
-    _combine_kernel[(b * h,)](part, lse, out, splits, G=g, GP=max(16, triton.next_power_of_2(g)), D=d)
+    _combine_kernel[(b * h, g)](part, lse, out, splits, g, D=d, SPLITS=64)
     return out
 
 
@@ -141,20 +141,15 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         tl.store(lse + at, m + tl.log(total), mask=g < G)
 
     @triton.jit(do_not_specialize=["splits"])
-    def _combine_kernel(part, lse, out, splits, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr):
-        """A row and KV head's parts [splits, G, D], each weighted by exp(its log-sum-exp - their max) (-inf: empty)."""
-        at, g, d = tl.program_id(0).to(tl.int64), tl.arange(0, GP), tl.arange(0, D)
-        top = tl.full([GP], float("-inf"), tl.float32)
-        for s in range(splits):
-            top = tl.maximum(top, tl.load(lse + (at * splits + s) * G + g, mask=g < G, other=float("-inf")))
-        acc, total = tl.zeros([GP, D], tl.float32), tl.zeros([GP], tl.float32)
-        for s in range(splits):
-            weight = tl.exp(tl.load(lse + (at * splits + s) * G + g, mask=g < G, other=0.0) - top)
-            rows = (at * splits + s) * G + g[:, None]
-            acc += weight[:, None] * tl.load(part + rows * D + d[None, :], mask=g[:, None] < G, other=0.0)
-            total += weight
-        tl.store(out + (at * G + g[:, None]) * D + d[None, :], (acc / total[:, None]).to(out.dtype.element_ty),
-                 mask=g[:, None] < G)
+    def _combine_kernel(part, lse, out, splits, g, D: tl.constexpr, SPLITS: tl.constexpr):
+        """A query head's parts [splits, D] at once, weighted by exp(log-sum-exp - their max) (empty: -inf, 0)."""
+        rh, s, d = tl.program_id(0).to(tl.int64), tl.arange(0, SPLITS), tl.arange(0, D)
+        rows = (rh * splits + s) * g + tl.program_id(1)
+        weight = tl.load(lse + rows, mask=s < splits, other=float("-inf"))
+        weight = tl.exp(weight - tl.max(weight, 0))
+        parts = tl.load(part + rows[:, None] * D + d[None, :], mask=(s < splits)[:, None], other=0.0)
+        tl.store(out + (rh * g + tl.program_id(1)) * D + d, (tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0))
+                 .to(out.dtype.element_ty))
 
     @triton.jit
     def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, H: tl.constexpr, G: tl.constexpr,

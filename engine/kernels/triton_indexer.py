@@ -21,9 +21,11 @@ def decode_select(scores: torch.Tensor, q_pos: torch.Tensor, masks: tuple | None
                   init: int, local: int) -> torch.Tensor:
     """`select_blocks` of a decode step's block scores [B, H, nb] for queries at q_pos [B] -> [B, H, topk]: Triton's
     kernel (a program a row and head) where it runs, else under `masks`, the step's `block_masks` (`decode_masks`
-    makes them where the kernel does not run)."""
+    makes them where the kernel does not run; not when a launch failed earlier in the step)."""
     if triton_decode.serves(scores.device):
         return _select(scores, q_pos, block_size, topk, init, local)
+    if masks is None:
+        return _selected(scores, q_pos, block_size, topk, init, local)
     return select_blocks(scores[:, :, None], masks)[:, :, 0]
 
 

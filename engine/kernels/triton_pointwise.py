@@ -12,9 +12,9 @@ from engine.kernels import triton_decode
 from engine.kernels.triton_decode import kernel_op, tl, triton
 
 
-def serves(x: torch.Tensor) -> bool:
-    """Whether the kernels run for x: where Triton's decode kernels do, and not for training (no autograd here)."""
-    return triton_decode.serves(x.device) and not torch.is_grad_enabled()
+def serves(x: torch.Tensor, *dims: int) -> bool:
+    """Whether the kernels run for x (and `dims`): where triton_decode's do, and not for training (no autograd)."""
+    return triton_decode.serves(x.device, *dims) and not torch.is_grad_enabled()
 
 
 def _op(schema: str, fake=None):  # (after a failure, layers.py's form of the same name: it imports this module)
@@ -38,8 +38,9 @@ def norm_rope(y, w1, w2, first, rot, eps):
     (t, width), d = y.shape, w1.shape[0]
     y = y if y.stride(1) == 1 else y.contiguous()
     out = torch.empty(t, width // d, d, dtype=y.dtype, device=y.device)
-    _norm_rope_kernel[(t,)](y, w1, w2, rot.contiguous(), out, y.stride(0), width // d, first, eps,
-                            HP=triton.next_power_of_2(width // d), D=d, R=2 * rot.shape[-1])
+    hp = min(16, triton.next_power_of_2(width // d))  # (heads a program: 68 heads of 128 spilled registers)
+    _norm_rope_kernel[(t, triton.cdiv(width // d, hp))](y, w1, w2, rot.contiguous(), out, y.stride(0), width // d,
+                                                         first, eps, HP=hp, D=d, R=2 * rot.shape[-1])
     return out
 
 
@@ -88,9 +89,10 @@ if triton is not None:
     @triton.jit
     def _norm_rope_kernel(y, w1, w2, rot, out, stride, heads, first, eps, HP: tl.constexpr, D: tl.constexpr,
                           R: tl.constexpr):
-        """Token t's heads [HP, D]: normed, and channel c < R rotated with its pair's mate c +- R/2 (model.md §3.1):
+        """Token t's heads h [HP, D]: normed, and channel c < R rotated with its pair's mate c +- R/2 (model.md §3.1):
         out_c = rot[a, a] n_c + rot[a, 1 - a] n_mate (a = c >= R/2), at rot's offsets c + R*a and c + R/2."""
-        t, h, c = tl.program_id(0).to(tl.int64), tl.arange(0, HP)[:, None], tl.arange(0, D)[None, :]
+        t, c = tl.program_id(0).to(tl.int64), tl.arange(0, D)[None, :]
+        h = tl.program_id(1) * HP + tl.arange(0, HP)[:, None]
         ok, rotated, mate = h < heads, c < R, tl.where(c < R // 2, c + R // 2, c - R // 2)
         row = y + t * stride + h * D
         x = tl.load(row + c, mask=ok, other=0.0).to(tl.float32)

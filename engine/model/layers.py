@@ -29,9 +29,9 @@ def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, r
               eps: float) -> torch.Tensor:
     """Per-head norm, then RoPE (model.md §2, §3.1), of y [T, heads * d] -> [T, heads, d]: heads < first normed by w1
     [d], the rest by w2. NOTE: q with k (index q with k) at once: a third of the kernels of one at a time."""
-    if fused.serves(y):
-        return fused.norm_rope(y, w1, w2, first, rot, eps)
     d = w1.shape[0]
+    if fused.serves(y, d):
+        return fused.norm_rope(y, w1, w2, first, rot, eps)
     w = torch.cat([w1.expand(first, d), w2.expand(y.shape[1] // d - first, d)])  # [heads, d]: each head's weight
     return apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
 
@@ -107,6 +107,9 @@ def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: t
                      alpha: float, limit: float) -> torch.Tensor:
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s] (`moe_experts`'s math). NOTE: as multiply-and-sum,
     inductor reads the k experts' rows in place (one kernel, no gathered copy): 85 vs 126 us a layer for an einsum."""
+    if x.shape[0] > GATHER_ROWS:  # (in pieces: the gathered weights are k expert copies a token)
+        return torch.cat([gathered_experts(x[i:i + GATHER_ROWS], ids[i:i + GATHER_ROWS], w[i:i + GATHER_ROWS], w13, w2,
+                                           alpha, limit) for i in range(0, x.shape[0], GATHER_ROWS)])
     h = swiglu_oai((x[:, None, None, :] * w13[ids]).sum(dim=-1), alpha, limit)  # [T, k, I]
     y = (h[:, :, None, :] * w2[ids]).sum(dim=-1)  # [T, k, H]
     return (y * w.to(y.dtype)[..., None]).sum(dim=1)
@@ -155,10 +158,8 @@ class MoE(nn.Module):
             routed = fused.gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         elif grouped_kernel(x):
             routed = self._grouped(x, ids, w)
-        else:  # (in pieces of GATHER_ROWS tokens: the gathered weights are k expert copies a token)
-            routed = torch.cat([gathered_experts(x[i:i + GATHER_ROWS], ids[i:i + GATHER_ROWS], w[i:i + GATHER_ROWS],
-                                                 self.w13, self.w2, self.alpha, self.limit)
-                                for i in range(0, x.shape[0], GATHER_ROWS)])
+        else:
+            routed = gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         out = routed * self.scale
         return out if self.shared is None else out + self.shared(x)
 
