@@ -75,11 +75,13 @@ def _build_every_launch() -> None:
         triton_decode.serves, layers.on_kernel = lambda device, *dims: False, on_kernel
     seen = set()
     for kernel, args, constexprs in launches:
+        options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
         signature = dict(zip(kernel.arg_names, map(_type, args))) | dict.fromkeys(constexprs, "constexpr")
-        key = (kernel.__name__, tuple(signature.values()), tuple(constexprs.items()))
+        key = (kernel.__name__, tuple(signature.values()), tuple(constexprs.items()), tuple(options.items()))
         if key not in seen:
             seen.add(key)
-            triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32))
+            triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
+                           options=options)
             print("built", kernel.__name__, "bf16" if "*bf16" in signature.values() else "fp32", flush=True)
 
 

@@ -1,12 +1,12 @@
 """Decode attention and block-sparse attention on CUDA as Triton kernels (the indexer's: triton_indexer.py). Decode
 attention reads each row's key count from a tensor (`lengths`): the key table is as wide as the longest context and a
 kernel's work is each row's keys, so one captured graph per batch size serves every context length. Where Triton cannot
-run (CPU), and for good once a launch has failed (`kernel_op`, for every Triton kernel here), the other forms serve
+run (CPU), and for good once a launch has failed (`kernel_op`, for every Triton kernel), the other forms serve
 (`paged_attention`, `paged_block_attention`). `decode_attention` splits a row's keys over programs (flash-decoding:
-~two per SM in all), each writing its part's output and log-sum-exp, then one kernel combines them; `block_attention`
-walks a query's selected blocks in place (the other form gathers them: ~14 kernels a call). Keys in tiles (TILE, or a
-block), a KV head's query heads padded to 16 rows (tl.dot's least), dots in the buffers' dtype (bf16: tensor cores;
-float32 exact, `ieee`)."""
+~two per SM), each writing its part's output and log-sum-exp, one kernel combining them; `block_attention` walks a
+query's selected blocks in place. Keys in tiles (TILE, or a block), a KV head's query heads padded to 16 rows (tl.dot's
+least), dots in the buffers' dtype (bf16: tensor cores; float32 exact, `ieee`), 8 warps a program (4 spilled registers
+at head dim 128: ptxas)."""
 
 import functools
 import logging
@@ -84,7 +84,7 @@ def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
     part = torch.empty(b, h, splits, g, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, g, dtype=torch.float32, device=q.device)
     _attend_kernel[(b, h, splits)](q, k_buf, v_buf, key_slots, lengths, part, lse, key_slots.stride(0), scale, splits,
-                                   H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, TILE=TILE)
+                                   H=h, G=g, GP=max(16, triton.next_power_of_2(g)), D=d, TILE=TILE, num_warps=8)
     if splits == 1:  # (one part a row and head: it is the output)
         return part[:, :, 0].to(q.dtype)
     out = torch.empty_like(q)  # (the parts weighted by their sums: softmax over their log-sum-exps)
@@ -99,7 +99,7 @@ def _block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scal
     out = torch.empty_like(q)  # (contiguous, as the kernel writes it)
     _block_kernel[(b, h)](q, k_buf, v_buf, key_slots, blocks.contiguous(), q_pos.contiguous(), out,
                           key_slots.stride(0), scale, blocks.shape[-1], H=h, G=g, GP=max(16, triton.next_power_of_2(g)),
-                          D=d, BS=block_size)
+                          D=d, BS=block_size, num_warps=8)
     return out
 
 

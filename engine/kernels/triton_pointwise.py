@@ -71,8 +71,9 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
     SwiGLU-OAI activations of every pair [T * k, I], then each token's weighted sum of its pairs' down projections."""
     (t, h), (k, i), x = x.shape, (ids.shape[1], w2.shape[2]), x.contiguous()
     act, out, ids, w = x.new_empty(t * k, i), torch.empty_like(x), ids.contiguous(), w.contiguous()
-    _experts_up_kernel[(t * k, triton.cdiv(i, 32))](x, ids, w13, act, h, i, alpha, limit, K=k, BI=32, BH=128)
-    _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, out, h, i, K=k, BO=32, BI=128)
+    _experts_up_kernel[(t * k, triton.cdiv(i, 32))](x, ids, w13, act, h, i, alpha, limit, K=k, BI=32, BH=128,
+                                                    num_warps=8)
+    _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, out, h, i, K=k, BO=32, BI=128, num_warps=8)
     return out
 
 
