@@ -14,8 +14,7 @@ class TokenSlotAllocator:
         if size <= 0:
             raise ValueError(f"TokenSlotAllocator: size must be positive, got {size}")
         self.size, self.device, self.keep_sorted = size, torch.device(device), keep_sorted
-        # NOTE: index = slot; entry 0 (the padding slot) is always False and never in the free list.
-        self._allocated = torch.zeros(size + 1, dtype=torch.bool, device=self.device)
+        self._allocated = torch.zeros(size + 1, dtype=torch.bool, device=self.device)  # (index = slot; 0 always False)
         self.clear()  # (sets the free list)
 
     def available_size(self) -> int:

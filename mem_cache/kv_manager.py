@@ -64,11 +64,6 @@ class ReqToTokenPool:
         self._last_index = index
         self.req_to_token.view(-1).index_copy_(0, index, slots.reshape(-1).to(self.req_to_token))
 
-    def write_prefix(self, row: int, slots: torch.Tensor) -> None:
-        """`req_to_token[row, :len(slots)]` = slots: an admitted request's cached prefix. (Not `write`: the last
-        write's index, which a steady decode step advances, stays that decode step's.)"""
-        self.req_to_token[row, :slots.numel()] = slots
-
     def check_integrity(self) -> bool:
         assert len(set(self._free)) == len(self._free), "ReqToTokenPool: free list holds duplicate request slots"
         assert all(0 <= i < self.size for i in self._free), "ReqToTokenPool: free list holds out-of-range slots"
@@ -135,7 +130,7 @@ class KVCacheManager:
         if self.hicache is not None:
             slots, node = self._load_back(list(prefix_ids), slots, node, found)
         found["miss"] = len(prefix_ids) - slots.numel()
-        self.req_to_token.write_prefix(row, slots)
+        self.table[row, :slots.numel()] = slots  # (not `write`: its last index, a steady decode step's, stays)
         kv = ReqKV(row, node, int(slots.numel()), int(slots.numel()), found)
         self._live.add(kv)
         return kv

@@ -14,9 +14,7 @@ from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool, check_layer
 
 DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY = "dense", "sparse_index_kv", "sparse_k_only"
 LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
-
 BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")  # the introspection API's (http_api.md §6)
-
 KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({
     DENSE: frozenset({"key", "value"}), SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
     SPARSE_K_ONLY: frozenset({"key", "value", "index_key"})})

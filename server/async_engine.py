@@ -1,11 +1,10 @@
 """The bridge between the asyncio event loop and the engine thread: `submit` queues requests in the engine (its
-validation's ValueError is the client's BadRequest) and opens one `Channel` for their samples; the engine thread
-sleeps until there is work, runs `Engine.step()` and hands each output to its channel with `call_soon_threadsafe`.
-
-NOTE: the engine thread is the only one that runs torch: it builds the engine, warms it up and steps it. libgomp gives
-each thread running a parallel region an OpenMP pool of its own, and once the pools hold more threads than there are
-CPUs its workers stop spin-waiting between regions, so each region pays a futex wake-up: a model built on the main
-thread and stepped on this one ran every small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
+validation's ValueError is the client's BadRequest) and opens one `Channel` for their samples; the engine thread sleeps
+until there is work, runs `Engine.step()` and hands each output to its channel with `call_soon_threadsafe`. NOTE: the
+engine thread is the only one that runs torch: it builds the engine, warms it up and steps it. libgomp gives each thread
+running a parallel region an OpenMP pool of its own, and once the pools hold more threads than there are CPUs its
+workers stop spin-waiting between regions, so each region pays a futex wake-up: a model built on the main thread and
+stepped on this one ran every small parallel op ~1.8x slower (measured: a 200k-element add, 20 -> 37 us)."""
 
 import asyncio
 import gc

@@ -61,7 +61,7 @@ async def server_info(request: Request) -> dict[str, Any]:
     integrity_ok = await state.async_engine.check_integrity()  # on the engine thread, between two steps
     eng, args, st, ae = state.engine, state.args, state.engine.stats(), state.async_engine
     info: dict[str, Any] = args.flat() | ({"api_key": "<redacted>"} if args.api_key else {})
-    info.update({
+    return info | {
         "max_new_tokens_cap": info["max_new_tokens_cap"] or eng.context_len,  # the limit in force
         "served_model_name": args.model_name, "context_len": eng.context_len,
         "max_total_num_tokens": st.max_total_tokens,
@@ -73,10 +73,7 @@ async def server_info(request: Request) -> dict[str, Any]:
             "token_usage": st.token_usage, "memory_usage": {"kv_cache_bytes": st.kv_cache_bytes},
             "num_in_flight": ae.num_in_flight(), "num_pending_outputs": ae.num_pending_outputs(),
             "integrity_ok": integrity_ok,  # KV slots: free + requests' + prefix cache's == pool size, none twice
-        }],
-        "uptime_s": round(time.time() - state.started, 3), "version": __version__,
-    })
-    return info
+        }], "uptime_s": round(time.time() - state.started, 3), "version": __version__}
 
 
 def _state_warn_if_deprecated(request: Request) -> ServerState:
@@ -85,10 +82,10 @@ def _state_warn_if_deprecated(request: Request) -> ServerState:
     return server_state(request)
 
 
-def _tokenizer(state: ServerState) -> Any:
-    if state.engine.tokenizer is None:
+def _tokenizer(request: Request) -> tuple[ServerState, Any]:
+    if (state := server_state(request)).engine.tokenizer is None:
         raise ApiError(400, "this server runs with --skip-tokenizer-init: it has no tokenizer.")
-    return state.engine.tokenizer
+    return state, state.engine.tokenizer
 
 
 @router.get("/get_load")
@@ -101,8 +98,7 @@ async def get_load(request: Request) -> list[dict[str, int]]:
 
 @router.post("/tokenize")
 async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
-    state = server_state(request)
-    tok = _tokenizer(state)
+    state, tok = _tokenizer(request)
     if isinstance(body.prompt, str):
         ids = tok.encode(body.prompt, add_special_tokens=body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.engine.context_len}
@@ -112,8 +108,8 @@ async def tokenize(body: TokenizeReq, request: Request) -> dict[str, Any]:
 
 @router.post("/detokenize")
 async def detokenize(body: DetokenizeReq, request: Request) -> dict[str, Any]:
-    state = server_state(request)
-    tok, vocab = _tokenizer(state), state.engine.cfg.vocab_size
+    state, tok = _tokenizer(request)
+    vocab = state.engine.cfg.vocab_size
     seqs = [body.tokens] if not body.tokens or isinstance(body.tokens[0], int) else body.tokens
     bad = next((t for seq in seqs for t in seq if not 0 <= t < vocab), None)  # type: ignore[operator]
     if bad is not None:

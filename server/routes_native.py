@@ -137,20 +137,16 @@ class NativeShaper:
         if out.finished:
             meta["e2e_latency"] = round(time.monotonic() - self.sub.started, 6)
         if self.opts[i].return_logprob:
-            meta.update(self._logprobs(i, lp or Logprobs(), len(ids)))
+            lp = lp or Logprobs()
+            meta |= {"input_token_logprobs": self._entries(lp.input_token),
+                     "output_token_logprobs": self._entries(lp.output_token), "output_token_logprobs_length": len(ids)}
+            if self.opts[i].top_logprobs_num > 0:
+                meta["input_top_logprobs"] = [self._entries(p) for p in lp.input_top]
+                meta["output_top_logprobs"] = [self._entries(p) for p in lp.output_top]
+            if self.opts[i].token_ids_logprob:
+                meta["input_token_ids_logprobs"] = [self._entries(p) for p in lp.input_ids]
+                meta["output_token_ids_logprobs"] = [self._entries(p) for p in lp.output_ids]
         return ({"text": text} if self.tok is not None else {}) | {"output_ids": list(ids), "meta_info": meta}
-
-    def _logprobs(self, i: int, lp: Logprobs, n_out: int) -> dict[str, Any]:
-        res: dict[str, Any] = {"input_token_logprobs": self._entries(lp.input_token),
-                               "output_token_logprobs": self._entries(lp.output_token),
-                               "output_token_logprobs_length": n_out}
-        if self.opts[i].top_logprobs_num > 0:
-            res["input_top_logprobs"] = [self._entries(p) for p in lp.input_top]
-            res["output_top_logprobs"] = [self._entries(p) for p in lp.output_top]
-        if self.opts[i].token_ids_logprob:
-            res["input_token_ids_logprobs"] = [self._entries(p) for p in lp.input_ids]
-            res["output_token_ids_logprobs"] = [self._entries(p) for p in lp.output_ids]
-        return res
 
     def _entries(self, entries: list | None) -> list[list[Any]] | None:
         # NOTE: JSON has no -inf; a logprob that underflowed is sent as null.
@@ -169,10 +165,9 @@ class NativeShaper:
 async def generate(body: GenerateReqInput, request: Request) -> Response:
     """Text or token ids in; one object (single prompt, n=1) or a list out; SSE with `stream`."""
     started, state = time.monotonic(), server_state(request)
-    tok = state.engine.tokenizer
-    reqs, single = plan_generate(body, tok, state.args.engine.max_new_tokens_cap)
+    reqs, single = plan_generate(body, state.engine.tokenizer, state.args.engine.max_new_tokens_cap)
     sub = Submission(state.async_engine, reqs, "/generate", started)  # 400 / 503 before anything starts
-    shaper = NativeShaper(sub, reqs, single, tok, bool(body.return_text_in_logprobs),
+    shaper = NativeShaper(sub, reqs, single, state.engine.tokenizer, bool(body.return_text_in_logprobs),
                           state.args.incremental_streaming_output)
     return await respond(sub, request, bool(body.stream), shaper.frame, shaper.response)
 

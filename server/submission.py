@@ -92,13 +92,12 @@ class Submission:
             self._done(i, CLIENT_CLOSED)
 
     def _done(self, i: int, status: int) -> None:
-        if i not in self._open:
-            return
-        self._open.discard(i)
-        res = self.joined[i]
-        reason = (res.finish_reason or {}).get("type") if res.finished else "client_gone"
-        log_access(res.rid, res.last.prompt_tokens if res.last else "-", len(res.output_ids),
-                   time.monotonic() - self.started, status, reason, self.route)
+        if i in self._open:
+            self._open.discard(i)
+            res = self.joined[i]
+            reason = (res.finish_reason or {}).get("type") if res.finished else "client_gone"
+            log_access(res.rid, res.last.prompt_tokens if res.last else "-", len(res.output_ids),
+                       time.monotonic() - self.started, status, reason, self.route)
 
 
 def log_access(rid: str, prompt_tokens: int | str, completion_tokens: int, latency: float, status: int,

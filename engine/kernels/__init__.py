@@ -5,6 +5,5 @@ def build_all() -> None:
     """Build (or load from the cache: cheap) every C kernel now, at startup, not in a first request's forward pass;
     one that cannot be built is a warning and its ops' PyTorch forms run (build.load_or_warn)."""
     from engine.kernels import moe_experts, paged_attention  # (here: `build` and `operator` need neither)
-
     for module in (moe_experts, paged_attention):
         module.kernel()

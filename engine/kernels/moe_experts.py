@@ -50,8 +50,7 @@ def run(lib: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w
         alpha: float, limit: float) -> torch.Tensor:
     """`moe_experts` through `lib`: a shape or dtype it cannot read is a ValueError, an id outside [0, E) IndexError."""
     x, ids, w = x.contiguous(), ids.contiguous(), w.to(torch.float32).contiguous()
-    t, k = ids.shape if ids.dim() == 2 else (-1, -1)
-    e, i2, h = w13.shape if w13.dim() == 3 else (-1, -1, -1)
+    (t, k), (e, i2, h) = ids.shape if ids.dim() == 2 else (-1, -1), w13.shape if w13.dim() == 3 else (-1, -1, -1)
     require(x.dtype == w13.dtype == w2.dtype == torch.float32 and ids.dtype == torch.int64 and w13.is_contiguous()
             and w2.is_contiguous() and x.shape == (t, h) and w.shape == (t, k) and k >= 1
             and w2.shape == (e, h, i2 // 2) and h % build.WIDEST == i2 % (2 * build.WIDEST) == 0,

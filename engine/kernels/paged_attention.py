@@ -77,10 +77,9 @@ def in_place(fn: ctypes._CFuncPtr, q: torch.Tensor, k_buf: torch.Tensor, v_buf: 
     A shape or dtype it cannot read is a ValueError, a row outside the buffers an IndexError."""
     q, rows, keep = q.contiguous(), rows.contiguous(), keep.contiguous()
     (b, h, g, d), n = q.shape if q.dim() == 4 else (0, 0, 0, 0), rows.shape[-1] if rows.dim() == 3 else -1
-    require(fits(q, k_buf, v_buf) and rows.dtype == torch.int64 and keep.dtype == torch.bool
-            and rows.shape == (b, h, n) and keep.shape in ((b, h, 1, n), (b, 1, 1, n)),
-            "paged_attention: q [B, H, G, D] and k_buf, v_buf [..., D] float32, rows int64 [B, H, N], keep bool "
-            "[B, H or 1, 1, N]", q, k_buf, v_buf, rows, keep)
+    require(fits(q, k_buf, v_buf) and rows.dtype == torch.int64 and keep.dtype == torch.bool and rows.shape == (b, h, n)
+            and keep.shape in ((b, h, 1, n), (b, 1, 1, n)), "paged_attention: q [B, H, G, D] and k_buf, v_buf [..., D] "
+            "float32, rows int64 [B, H, N], keep bool [B, H or 1, 1, N]", q, k_buf, v_buf, rows, keep)
     out, buf_rows = torch.empty_like(q), k_buf.numel() // max(d, 1)
     if fn(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), rows.data_ptr(), keep.data_ptr(), out.data_ptr(),
           b, h, g, d, n, keep.shape[1], scale, buf_rows):

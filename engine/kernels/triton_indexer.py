@@ -24,9 +24,7 @@ def decode_select(scores: torch.Tensor, q_pos: torch.Tensor, masks: tuple | None
     makes them where the kernel does not run; not when a launch failed earlier in the step)."""
     if triton_decode.serves(scores.device):
         return _select(scores, q_pos, block_size, topk, init, local)
-    if masks is None:
-        return _selected(scores, q_pos, block_size, topk, init, local)
-    return select_blocks(scores[:, :, None], masks)[:, :, 0]
+    return _selected(scores, q_pos, block_size, topk, init, local, masks)
 
 
 def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
@@ -34,8 +32,8 @@ def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
     return block_scores(iq[:, None], ik_buf[key_slots][:, :, 0], visible[:, None], block_size)[:, :, 0]
 
 
-def _selected(scores, q_pos, block_size, topk, init, local):
-    masks = block_masks(q_pos[:, None], scores.shape[-1], block_size, topk, init, local)
+def _selected(scores, q_pos, block_size, topk, init, local, masks=None):
+    masks = block_masks(q_pos[:, None], scores.shape[-1], block_size, topk, init, local) if masks is None else masks
     return select_blocks(scores[:, :, None], masks)[:, :, 0]
 
 

@@ -60,10 +60,6 @@ def _rope(d: dict[str, Any], shape: str, head_dim: int) -> tuple[float, int]:
     return theta, rotary
 
 
-def _eos_ids(value: Any) -> tuple[int, ...]:
-    return () if value is None else tuple(int(v) for v in (value if isinstance(value, list) else [value]))
-
-
 def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
     """Layer kinds and indexer hyper-parameters from either shape."""
     if shape == "transformers":
@@ -123,12 +119,10 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     native_keys = ("layer_types", "mlp_layer_types", "index_n_heads", "index_head_dim", "index_block_size")
     shape = "transformers" if d.get("model_type") == NATIVE_MODEL_TYPE or (
         "sparse_attention_config" not in d and any(k in d for k in native_keys)) else "minimax"
-
     for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"):
         _require(isinstance(d.get(key), int) and d[key] > 0, key, f"required positive integer, got {d.get(key)!r}")
     n, hidden, n_q = d["num_hidden_layers"], d["hidden_size"], d["num_attention_heads"]
     n_kv, head_dim = int(_get(d, "num_key_value_heads", n_q)), int(_get(d, "head_dim", hidden // n_q))
-
     _check_equal(d, "use_gemma_norm", (True,), True)
     _check_equal(d, "qk_norm_type", ("per_head",), "per_head")
     _check_equal(d, "use_qk_norm", (True,), True)
@@ -137,25 +131,21 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     _check_equal(d, "swiglu_beta", (1, 1.0), 1.0)
     _check_equal(d, "scoring_func", ("sigmoid",), "sigmoid")
     theta, rotary = _rope(d, shape, head_dim)
-
     shared = int(_get(d, "shared_intermediate_size", 3072)) * int(_get(d, "n_shared_experts", 1))
+    eos = d.get("eos_token_id", raw.get("eos_token_id"))
     return ModelConfig(
-        vocab_size=d["vocab_size"], hidden_size=hidden, num_layers=n, num_heads=n_q, num_kv_heads=n_kv,
-        head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
-        max_position_embeddings=int(_get(d, "max_position_embeddings", 524288)),
+        max_position_embeddings=int(_get(d, "max_position_embeddings", 524288)), hidden_size=hidden, num_kv_heads=n_kv,
         rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), intermediate_size=int(_get(d, "intermediate_size", 3072)),
-        dense_intermediate_size=int(_get(d, "dense_intermediate_size", 12288)), shared_intermediate_size=shared,
-        num_experts=int(_get(d, "num_local_experts", _get(d, "num_experts", 128))),
-        num_experts_per_tok=int(_get(d, "num_experts_per_tok", 4)),
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.0)),
+        dense_intermediate_size=int(_get(d, "dense_intermediate_size", 12288)), num_heads=n_q, rope_theta=theta,
+        num_experts=int(_get(d, "num_local_experts", _get(d, "num_experts", 128))), shape=shape,
+        num_experts_per_tok=int(_get(d, "num_experts_per_tok", 4)), bos_token_id=d.get("bos_token_id"), num_layers=n,
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.0)), head_dim=head_dim, rotary_dim=rotary,
         use_routing_bias=bool(_get(d, "use_routing_bias", True)), swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702)),
-        swiglu_limit=float(_get(d, "swiglu_limit", 7.0)),
+        swiglu_limit=float(_get(d, "swiglu_limit", 7.0)), shared_intermediate_size=shared, vocab_size=d["vocab_size"],
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-        moe_layers=_moe_layers(d, shape, n), bos_token_id=d.get("bos_token_id"),
-        eos_token_ids=_eos_ids(d.get("eos_token_id", raw.get("eos_token_id"))), shape=shape,
-        model_type=str(raw.get("model_type", d.get("model_type", ""))),
-        architectures=tuple(raw.get("architectures") or d.get("architectures") or []), **_sparse_fields(d, shape, n),
-    )
+        moe_layers=_moe_layers(d, shape, n), model_type=str(raw.get("model_type", d.get("model_type", ""))),
+        eos_token_ids=() if eos is None else tuple(int(v) for v in (eos if isinstance(eos, list) else [eos])),
+        architectures=tuple(raw.get("architectures") or d.get("architectures") or []), **_sparse_fields(d, shape, n))
 
 
 def load_config(model_path: str | Path) -> ModelConfig:

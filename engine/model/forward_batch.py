@@ -65,8 +65,7 @@ class ForwardBatch:
         for row, p, x in zip(rows, prefix_lens, new_ids):
             segments.append(Segment(start, len(x), p, req_to_token[row, : p + len(x)].to(device, torch.int64)))
             start += len(x)
-        return cls(torch.tensor(ids, dtype=torch.int64, device=device),
-                   torch.tensor(positions, dtype=torch.int64, device=device),
+        return cls(*(torch.tensor(x, dtype=torch.int64, device=device) for x in (ids, positions)),
                    out_cache_loc.to(device, torch.int64), segments)
 
 

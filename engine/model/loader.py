@@ -98,15 +98,6 @@ def init_dummy_weights(model: MiniMaxM3Model, seed: int = 0) -> None:
             p.copy_(torch.randn(p.shape, generator=gen) * std)
 
 
-def cast_model(model: MiniMaxM3Model, dtype: torch.dtype, device: torch.device | str) -> MiniMaxM3Model:
-    """Move to `device` and cast to `dtype`, except the router and the norms (FP32_PARAMS) and the RoPE table (fp32)."""
-    model.to(device)
-    for name, p in model.named_parameters():
-        if not name.endswith(FP32_PARAMS):
-            p.data = p.data.to(dtype)
-    return model
-
-
 def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                load_format: str = "auto", seed: int = 0, cfg: ModelConfig | None = None) -> MiniMaxM3Model:
     """Build the model for `model_path` and fill its weights (`load_format`: auto | safetensors | dummy)."""
@@ -121,4 +112,8 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
         logger.info("loaded weights from %s", model_dir)
     else:
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
-    return cast_model(model, dtype, device).eval()
+    model.to(device)  # then cast to `dtype`, but the router and the norms (FP32_PARAMS) and the RoPE table (fp32)
+    for name, p in model.named_parameters():
+        if not name.endswith(FP32_PARAMS):
+            p.data = p.data.to(dtype)
+    return model.eval()

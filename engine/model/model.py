@@ -78,8 +78,7 @@ class MiniMaxM3Model(nn.Module):
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
         x = self.embed_tokens(batch.input_ids)
-        # (made once a step, read by every layer: the RoPE rotations, and a decode step's masks)
-        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)
+        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)  # (once a step, for all layers; so are the masks)
         masks = decode_masks(batch, self.cfg) if isinstance(batch, DecodeBatch) else None
         for layer in self.layers:
             x = layer(x, rot, masks, batch, pool)

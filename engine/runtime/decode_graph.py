@@ -66,7 +66,6 @@ class DecodeGraphs:
             one: dict = {}
             if device.type == "cpu":
                 from engine.runtime.graph_passes import BatchOneForms
-
                 one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)

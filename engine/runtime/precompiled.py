@@ -88,8 +88,7 @@ class PrecompiledStep:
 
     def __call__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeBatch) -> torch.Tensor:
         key = _signature(batch)
-        ok = self._verdicts.get(key)
-        if ok is None:
+        if (ok := self._verdicts.get(key)) is None:
             ok = self._verdicts[key] = bool(self._fn.guard_check(model, pool, batch))
         if ok:
             return self._fn(model, pool, batch)

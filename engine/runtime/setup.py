@@ -140,8 +140,7 @@ def build_components(args: EngineArgs
     cfg, tokenizer = load_config(args.model_path), load_tokenizer(args)
     model = load_model(args.model_path, dtype, device, args.load_format, args.random_seed, cfg=cfg)
     context_len, size = args.context_length or cfg.max_position_embeddings, kv_pool_tokens(args, model, dtype, device)
-    pool = MiniMaxSparseKVPool(size, dtype, list(cfg.layer_kinds), cfg.num_kv_heads, cfg.head_dim,
-                               cfg.index_head_dim, device)
+    pool = MiniMaxSparseKVPool(size, dtype, cfg.layer_kinds, cfg.num_kv_heads, cfg.head_dim, cfg.index_head_dim, device)
     kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache,
                         build_hicache(args, model, pool))
     logger.info("model %s on %s/%s: %d layers %s, KV pool %d tokens (%.1f MiB)", args.model_path, device,

@@ -17,8 +17,7 @@ class StopChecker:
         self.suppress_ids = set(eos_ids)  # min_new_tokens holds EOS back even under ignore_eos
         self.eos_ids = set() if params.ignore_eos else set(eos_ids)
         self.stop_ids, self.stops = set(params.stop_token_ids or ()), list(params.stop or ())
-        self.detok = (IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens)
-                      if tokenizer is not None else None)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, params.skip_special_tokens) if tokenizer else None
         self._held = ""  # decoded, not released: a possible start of a stop string
         self._released: list[str] = []  # released, not taken yet
         self.done = False

@@ -49,13 +49,11 @@ class Tokenizer:
             self.bos_token_id = gen["bos_token_id"]
         self.eos_token_id = self.token_to_id(self.eos_token)
         self.add_bos_token, self.add_eos_token = (bool(cfg.get(k, False)) for k in ("add_bos_token", "add_eos_token"))
-
         self.eos_token_ids: set[int] = {eos} if isinstance(eos := gen.get("eos_token_id"), int) else set(eos or ())
         if self.eos_token_id is not None:
             self.eos_token_ids.add(self.eos_token_id)
         elif self.eos_token_ids:
             self.eos_token_id = min(self.eos_token_ids)
-
         template = chat_template if chat_template is not None else cfg.get("chat_template")
         if isinstance(template, list):  # HF multi-template form: [{"name": ..., "template": ...}]
             template = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}.get("default")
