@@ -1,4 +1,4 @@
-"""Every Triton kernel a decode step launches builds for a Hopper GPU (sm_90) here, with no GPU: Triton's own compiler
+"""Every Triton kernel a decode step and its sampling launch builds for a Hopper GPU (sm_90) here, with no GPU: Triton's own compiler
 and its bundled ptxas. Triton's interpreter (tests/test_triton_*.py) runs what a GPU's compiler may refuse (a
 construct, a dtype mix, a layout). The launches are recorded from configs/tiny decode steps in bfloat16 and float32
 through CUDA's forms (their outputs left unwritten), then each distinct one compiled with its arguments' types and
@@ -19,7 +19,8 @@ from engine.kernels import triton_decode
 pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_attend_kernel", "_combine_kernel", "_block_kernel", "_scores_kernel", "_select_kernel", "_rms_kernel",
-           "_norm_rope_kernel", "_swiglu_kernel", "_route_kernel", "_experts_up_kernel", "_experts_down_kernel"}
+           "_norm_rope_kernel", "_swiglu_kernel", "_route_kernel", "_experts_up_kernel", "_experts_down_kernel",
+           "_race_kernel"}
 
 
 def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():
@@ -42,7 +43,8 @@ class _Recorder:
 
 def _type(x) -> str:
     if isinstance(x, torch.Tensor):
-        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32"}[x.dtype]
+        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
+                      torch.bool: "i1"}[x.dtype]
     if isinstance(x, float):
         return "fp32"
     return "i32" if -2**31 <= x < 2**31 else "i64"
@@ -56,6 +58,7 @@ def _build_every_launch() -> None:
     from engine.kernels import triton_indexer, triton_pointwise
     from engine.model import layers
     from engine.model.loader import load_model
+    from engine.runtime import sampler
     from tests.engine_utils import TINY
     from tests.forward_utils import PagedModel
 
@@ -70,8 +73,10 @@ def _build_every_launch() -> None:
         batch = paged.decode_batch(kvs, [int(x[-1].argmax()) for x in paged.step(kvs, prompts)])
         triton_decode.serves = lambda device, *dims: True  # (CUDA's forms from here: this process ends after)
         layers.on_kernel = lambda *tensors: False  # (the CPU's MoE kernel)
-        with torch.no_grad():
-            paged.decode_step(batch)
+        rows = torch.arange(4)
+        with torch.no_grad():  # (and the sampler's race over the step's logits)
+            sampler.race(paged.decode_step(batch), sampler.seed_hash(rows), rows, rows > 2, torch.ones(4),
+                         sampler.token_hash(4096, torch.device("cpu")))
         triton_decode.serves, layers.on_kernel = lambda device, *dims: False, on_kernel
     seen = set()
     for kernel, args, constexprs in launches:

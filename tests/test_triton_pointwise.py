@@ -13,6 +13,7 @@ from engine.kernels import triton_decode, triton_indexer
 from engine.kernels import triton_pointwise as fused
 from engine.model import layers
 from engine.model.indexer import block_masks, select_blocks
+from engine.runtime import sampler
 from tests.test_layers import _moe, _moe_reference
 
 pytestmark = [pytest.mark.usefixtures("no_failed_launch"),
@@ -121,6 +122,23 @@ def test_an_moe_layer_through_the_kernels_equals_its_reference(pair_bytes, monke
         got = moe.to(DEVICE)(x.to(DEVICE))
     assert len(calls) == (pair_bytes > 0)
     torch.testing.assert_close(got.double().cpu(), _moe_reference(moe.cpu(), x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [3000, 4096])  # (tiles of 1024: the last one part masked, or whole)
+def test_race_kernel_draws_the_samplers_tokens(vocab):
+    """The race in log space, argmax(x / t - log E), against the sampler's argmax(softmax(x / t) / E): the same
+    tokens for 256 rows (E from the same hashed bits; a near-tie could differ in the last bit, none here), greedy
+    rows their argmax, banned tokens (-inf) never drawn."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(256, vocab, generator=g) * 3
+    x[:, ::7] = float("-inf")
+    seeds = sampler.seed_hash(torch.randint(0, 2**62, (256,), generator=g))
+    pos, greedy = torch.randint(0, 10**6, (256,), generator=g), torch.rand(256, generator=g) < 0.2
+    x[0], greedy[0] = 1.0, True  # (a greedy row of equal logits: the first, across tiles too)
+    temperature = torch.where(greedy, 1.0, torch.rand(256, generator=g) * 1.5 + 0.1)
+    args = [t.to(DEVICE) for t in (x, seeds, pos, greedy, temperature, sampler.token_hash(vocab, torch.device("cpu")))]
+    got = fused.race(*args)
+    assert torch.equal(got, sampler.race(*args)) and got[0] == 0 and (got[1:] % 7 != 0).all()
 
 
 def test_a_pointwise_kernel_that_raises_leaves_the_pytorch_forms_serving(monkeypatch, caplog):

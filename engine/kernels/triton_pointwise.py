@@ -1,8 +1,8 @@
-"""The decoder's pointwise chains and the MoE's routing and experts on CUDA as Triton kernels, one each where layers.py's
-PyTorch forms launch several: Gemma RMSNorm (3), q with k normed and rotated (8), SwiGLU-OAI (6), the router's top-k
-(6), each (token, expert) pair's products (2 against 13 grouped). With triton_indexer's, a bf16 decode step of
-configs/tiny launches 196 kernels, 559 without. Each computes in float32 and rounds once (bf16: within the PyTorch
-forms' rounding). layers.py asks `serves`; its own forms serve elsewhere, and for good after a failed launch."""
+"""The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
+each where the PyTorch forms launch several: Gemma RMSNorm (3), q with k normed and rotated (8), SwiGLU-OAI (6), the
+router's top-k (6), each (token, expert) pair's products (2 against 13 grouped), the race (34). With triton_indexer's,
+a bf16 decode step of configs/tiny launches 196 kernels, 559 without. Each computes in float32, rounding once (bf16:
+within the PyTorch forms' rounding). Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
 
@@ -77,7 +77,24 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
     return out
 
 
+@kernel_op("(Tensor x, Tensor seeds, Tensor positions, Tensor greedy, Tensor temperature, Tensor tokens) -> Tensor",
+           lambda *a: importlib.import_module("engine.runtime.sampler").race(*a),
+           fake=lambda x, *_: x.new_empty(x.shape[0], dtype=torch.int64))
+def race(x, seeds, positions, greedy, temperature, tokens):
+    """sampler.race of float32 logits x [B, V] (a program a row, V in tiles)."""
+    out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
+    _race_kernel[(x.shape[0],)](x.contiguous(), seeds, positions, greedy, temperature, tokens, out, x.shape[1],
+                                BLOCK=1024)
+    return out
+
+
 if triton is not None:
+    @triton.jit
+    def _mix(x):  # (sampler._mix on uint32: its products' low 32 bits)
+        x = (x ^ (x >> 16)) * 0x7FEB352D
+        x = (x ^ (x >> 15)) * 0x68E31DA5
+        return x ^ (x >> 16)
+
     @triton.jit
     def _rms_kernel(x, w, out, n, eps, N: tl.constexpr):
         at = tl.program_id(0).to(tl.int64) * n + tl.arange(0, N)
@@ -158,3 +175,20 @@ if triton is not None:
                 y += tl.sum(wv.to(tl.float32) * av, 1)
             total += tl.load(w + t * K + s).to(tl.float32) * y
         tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)
+
+    @triton.jit
+    def _race_kernel(x, seeds, positions, greedy, temperature, tokens, out, v, BLOCK: tl.constexpr):
+        """Row r's argmax of x / t - log E over tiles (the first of equal keys), E = -log(unit(bits)) as in sampler."""
+        r = tl.program_id(0).to(tl.int64)
+        row = _mix((tl.load(seeds + r) ^ (tl.load(positions + r) & 0xFFFFFFFF)).to(tl.uint32))
+        greedy_row, t = tl.load(greedy + r) != 0, tl.load(temperature + r)
+        best, at = float("-inf"), 0
+        for start in range(0, v, BLOCK):
+            i = start + tl.arange(0, BLOCK)
+            xv = tl.load(x + r * v + i, mask=i < v, other=float("-inf"))
+            bits = _mix(row ^ tl.load(tokens + i, mask=i < v, other=0).to(tl.uint32))
+            u = ((bits >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # (2^-23)
+            key = tl.where(i < v, tl.where(greedy_row, xv, xv / t - tl.log(-tl.log(u))), float("-inf"))
+            top = tl.max(key, 0)
+            at, best = tl.where(top > best, start + tl.argmax(key, 0), at), tl.maximum(best, top)
+        tl.store(out + r, at.to(tl.int64))
