@@ -23,7 +23,7 @@ except ImportError:  # (CPU builds of torch come without it)
     triton = None
 
 logger = logging.getLogger(__name__)
-TILE = 64
+TILE, SPLITS = 64, 64  # (keys a tile; a row's keys over at most SPLITS programs, combined at once)
 _failed: list[BaseException] = []  # (a launch that raised: the other forms from then on)
 
 
@@ -80,7 +80,7 @@ def _programs(device: torch.device) -> int:  # (what a launch aims at: two progr
 @kernel_op("(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor lengths, float scale) -> Tensor", _listed)
 def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
     (b, h, g, d), q = q.shape, q.contiguous()
-    splits = max(1, min(64, _programs(q.device) // (b * h)))  # (a row's keys over this many programs)
+    splits = max(1, min(SPLITS, _programs(q.device) // (b * h)))  # (a row's keys over this many programs)
     part = torch.empty(b, h, splits, g, d, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, h, splits, g, dtype=torch.float32, device=q.device)
     _attend_kernel[(b, h, splits)](q, k_buf, v_buf, key_slots, lengths, part, lse, key_slots.stride(0), scale, splits,
@@ -88,7 +88,7 @@ def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
     if splits == 1:  # (one part a row and head: it is the output)
         return part[:, :, 0].to(q.dtype)
     out = torch.empty_like(q)  # (the parts weighted by their sums: softmax over their log-sum-exps)
-    _combine_kernel[(b * h, g)](part, lse, out, splits, g, D=d, SPLITS=64)
+    _combine_kernel[(b * h, g)](part, lse, out, splits, g, D=d, SPLITS=SPLITS)
     return out
 
 
