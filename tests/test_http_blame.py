@@ -105,3 +105,18 @@ def test_server_info_checks_integrity_on_the_engine_thread_only(client, monkeypa
     ae = client.app.state.server.async_engine
     with pytest.raises(RuntimeError, match="engine thread"):
         ae._integrity_ok()  # the check refuses any other thread
+
+
+def test_every_optional_int_engine_field_is_an_int_flag():
+    """EngineArgs' `int | None` fields (their type hints, resolved) parse as integers: server/args.py finds them by
+    their annotation's text, which a spelling such as Optional[int] would miss."""
+    from dataclasses import fields
+    from typing import get_type_hints
+
+    from engine.runtime.engine_args import EngineArgs
+
+    hints = get_type_hints(EngineArgs)
+    names = [f.name for f in fields(EngineArgs) if hints[f.name] == int | None]
+    assert "cuda_graph_max_bs" in names and "kv_cache_bytes" in names
+    for name in names:
+        assert getattr(parse_args([f"--{name.replace('_', '-')}", "7"]).engine, name) == 7, name

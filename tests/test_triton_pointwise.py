@@ -6,6 +6,8 @@ A whole decode step through every kernel: tests/test_triton_decode.py."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from engine.kernels import triton_pointwise as fused
 from engine.model import layers
 from engine.model.indexer import block_masks, select_blocks
 from engine.runtime import sampler
+from tests.engine_utils import make_engine, run_all, submit
 from tests.test_layers import _moe, _moe_reference
 
 pytestmark = [pytest.mark.usefixtures("no_failed_launch"),
@@ -147,3 +150,19 @@ def test_a_pointwise_kernel_that_raises_leaves_the_pytorch_forms_serving(monkeyp
     gate_up = _randn(3, 64, g=torch.Generator().manual_seed(5), scale=5.0)
     torch.testing.assert_close(fused.swiglu_oai(gate_up, 1.702, 7.0), layers.swiglu_oai(gate_up, 1.702, 7.0))
     assert "swiglu_oai" in caplog.text and triton_decode._failed and not triton_decode.serves(torch.device("cuda"))
+
+
+def test_an_engine_draws_through_the_race_kernel_at_any_filters(monkeypatch):
+    """The engine's sampling reaches the kernel (grad mode and all: it once did not), with top-p or without: a draw is
+    one form whatever its batch-mates ask, and a seeded request's tokens are those it gets alone."""
+    calls = []
+    monkeypatch.setattr(sampler, "fused", SimpleNamespace(serves=lambda x: not torch.is_grad_enabled(),
+                                                          race=lambda *a: calls.append(1) or fused.race(*a)))
+    got = {}
+    for mates in ([], [{"top_p": 0.5}], [{"temperature": 0}]):
+        engine = make_engine(max_running_requests=4)
+        rid = submit(engine, list(range(30, 60)), max_new_tokens=4, temperature=0.8, sampling_seed=3)[0]
+        for extra in mates:
+            submit(engine, list(range(70, 90)), max_new_tokens=4, **{"temperature": 0.8, **extra})
+        got[len(got)] = run_all(engine)[rid].output_ids
+    assert calls and got[0] == got[1] == got[2] and len(got[0]) == 4

@@ -19,9 +19,8 @@ def decode_block_scores(iq: torch.Tensor, ik_buf: torch.Tensor, key_slots: torch
 
 def decode_select(scores: torch.Tensor, q_pos: torch.Tensor, masks: tuple | None, block_size: int, topk: int,
                   init: int, local: int) -> torch.Tensor:
-    """`select_blocks` of a decode step's block scores [B, H, nb] for queries at q_pos [B] -> [B, H, topk]: Triton's
-    kernel (a program a row and head) where it runs, else under `masks`, the step's `block_masks` (`decode_masks`
-    makes them where the kernel does not run; not when a launch failed earlier in the step)."""
+    """`select_blocks` of a decode step's block scores [B, H, nb] (queries at q_pos [B]) -> [B, H, topk]: Triton's
+    kernel where it runs, else under `masks`, the step's `block_masks` (made here if a launch failed this step)."""
     if triton_decode.serves(scores.device):
         return _select(scores, q_pos, block_size, topk, init, local)
     return _selected(scores, q_pos, block_size, topk, init, local, masks)

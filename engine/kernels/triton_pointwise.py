@@ -83,8 +83,7 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
 def race(x, seeds, positions, greedy, temperature, tokens):
     """sampler.race of float32 logits x [B, V] (a program a row, V in tiles)."""
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    _race_kernel[(x.shape[0],)](x.contiguous(), seeds, positions, greedy, temperature, tokens, out, x.shape[1],
-                                BLOCK=1024)
+    _race_kernel[(len(x),)](x.contiguous(), seeds, positions, greedy, temperature, tokens, out, x.shape[1], BLOCK=1024)
     return out
 
 

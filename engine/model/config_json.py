@@ -133,18 +133,21 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
     theta, rotary = _rope(d, shape, head_dim)
     shared = int(_get(d, "shared_intermediate_size", 3072)) * int(_get(d, "n_shared_experts", 1))
     eos = d.get("eos_token_id", raw.get("eos_token_id"))
-    return ModelConfig(
-        max_position_embeddings=int(_get(d, "max_position_embeddings", 524288)), hidden_size=hidden, num_kv_heads=n_kv,
+    return ModelConfig(  # (in the fields' order)
+        vocab_size=d["vocab_size"], hidden_size=hidden, num_layers=n, num_heads=n_q, num_kv_heads=n_kv,
+        head_dim=head_dim, rotary_dim=rotary, rope_theta=theta,
+        max_position_embeddings=int(_get(d, "max_position_embeddings", 524288)),
         rms_norm_eps=float(_get(d, "rms_norm_eps", 1e-6)), intermediate_size=int(_get(d, "intermediate_size", 3072)),
-        dense_intermediate_size=int(_get(d, "dense_intermediate_size", 12288)), num_heads=n_q, rope_theta=theta,
-        num_experts=int(_get(d, "num_local_experts", _get(d, "num_experts", 128))), shape=shape,
-        num_experts_per_tok=int(_get(d, "num_experts_per_tok", 4)), bos_token_id=d.get("bos_token_id"), num_layers=n,
-        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.0)), head_dim=head_dim, rotary_dim=rotary,
+        dense_intermediate_size=int(_get(d, "dense_intermediate_size", 12288)), shared_intermediate_size=shared,
+        num_experts=int(_get(d, "num_local_experts", _get(d, "num_experts", 128))),
+        num_experts_per_tok=int(_get(d, "num_experts_per_tok", 4)),
+        routed_scaling_factor=float(_get(d, "routed_scaling_factor", 2.0)),
         use_routing_bias=bool(_get(d, "use_routing_bias", True)), swiglu_alpha=float(_get(d, "swiglu_alpha", 1.702)),
-        swiglu_limit=float(_get(d, "swiglu_limit", 7.0)), shared_intermediate_size=shared, vocab_size=d["vocab_size"],
+        swiglu_limit=float(_get(d, "swiglu_limit", 7.0)),
         tie_word_embeddings=bool(_get(d, "tie_word_embeddings", raw.get("tie_word_embeddings", False))),
-        moe_layers=_moe_layers(d, shape, n), model_type=str(raw.get("model_type", d.get("model_type", ""))),
+        moe_layers=_moe_layers(d, shape, n), bos_token_id=d.get("bos_token_id"),
         eos_token_ids=() if eos is None else tuple(int(v) for v in (eos if isinstance(eos, list) else [eos])),
+        shape=shape, model_type=str(raw.get("model_type", d.get("model_type", ""))),
         architectures=tuple(raw.get("architectures") or d.get("architectures") or []), **_sparse_fields(d, shape, n))
 
 

@@ -114,7 +114,7 @@ class DecodeGraphs:
                         time.perf_counter() - t, how)
         if self.buckets and self.device.type == "cuda":
             t = time.perf_counter()
-            self._cuda.capture(warm_each=self._one is not None)  # (a compiled step's kernels built before capture)
+            self._cuda.capture(warm_each=self._one is not None or len(self.key_buckets) > 1)  # (kernels built first)
             self._compiled.update(self.buckets)
             logger.info("decode graphs: %d captured (batch %s x keys %s) in %.1f s", len(self._cuda.graphs),
                         list(self.buckets), list(self.key_buckets), time.perf_counter() - t)

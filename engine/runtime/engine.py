@@ -17,6 +17,7 @@ from engine.runtime.model_runner import ModelRunner, take_rows
 from engine.runtime.request import Limits, NewRequest, Req, RequestOutput, validate
 from engine.runtime.rids import RidTable
 from engine.runtime.sampler import Sampler
+from engine.runtime.sampling_params import SamplingParams
 from engine.runtime.scheduler import ScheduledBatch, Scheduler
 from engine.runtime.setup import build_components
 from engine.runtime.stats import EngineStats
@@ -84,8 +85,10 @@ class Engine:
             self._cond.notify_all()
 
     def warm_up(self) -> None:
-        """Compile or capture the decode graphs (a no-op when they are disabled); before serving."""
+        """Compile or capture the decode graphs (if enabled) and draw once (CUDA: the race kernel built); before serving."""
         self._runner.graphs.warm_up()
+        logits = torch.zeros(1, self.cfg.vocab_size, device=self._runner.device)
+        Sampler().sample(logits, [SamplingParams()], [[]], [[0]], [0])
 
     def has_work(self) -> bool:
         with self._cond:

@@ -88,20 +88,20 @@ class Sampler:
                                             for p in params], dtype=torch.float32, device=device)
         return st["counts"], st["seen"], st["penalties"]
 
-    def filtered_probs(self, logits: torch.Tensor, params: Sequence[SamplingParams],
-                       cols: torch.Tensor) -> torch.Tensor:
-        """Temperature softmax of processed logits with top-k / top-p / min-p applied: [B, V], removed tokens 0, not
-        renormalized, every row as sampling (callers handle greedy rows); row i's settings: cols[i] (see `sample`)."""
-        v, probs = logits.shape[1], torch.softmax(logits / cols[:, :1], dim=-1)
-        if not any(p.top_k > 0 and p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-            return probs
-        sp, order = probs.sort(dim=-1, descending=True, stable=True)
+    def filtered(self, logits: torch.Tensor, params: Sequence[SamplingParams], cols: torch.Tensor) -> torch.Tensor:
+        """Processed logits [B, V] with the tokens top-k / top-p / min-p remove from the temperature softmax at -inf,
+        every row as sampling (a greedy row keeps its most likely token); row i's settings: cols[i] (see `sample`)."""
+        v = logits.shape[1]
+        if not any(0 < p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+            return logits
+        sp, order = torch.softmax(logits / cols[:, :1], dim=-1).sort(dim=-1, descending=True, stable=True)
         ranks = torch.arange(v, device=logits.device)[None, :]
         mass_before = F.pad(torch.cumsum(sp, dim=-1)[:, :-1], (1, 0))  # the mass strictly before each position
         drop = (ranks >= cols[:, 1:2]) | (mass_before >= cols[:, 2:3]) | (sp < sp[:, :1] * cols[:, 3:4])
         drop[:, 0] = False  # (the most likely token always survives)
-        return probs.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), 0.0)
+        return logits.masked_fill(torch.zeros_like(drop).scatter_(1, order, drop), float("-inf"))
 
+    @torch.no_grad()
     def sample(self, logits: torch.Tensor, params: Sequence[SamplingParams], output_ids: Ids, prompt_ids: Ids,
                seeds: Sequence[int], suppress: Suppressed = None, carried: bool = False) -> torch.Tensor:
         """One token per row of raw logits [B, V] (int64 [B], on their device); row i's draw keyed by (seeds[i], the
@@ -121,12 +121,8 @@ class Sampler:
                                                   else v, p.top_p if p.top_p < 1.0 else 2.0, p.min_p] for p in params],
                                                 dtype=torch.float32, device=dev))  # (top-k off: V, top-p off: 2)
             st["pos"] = st["pos"] + 1  # (the position each row's token fills)
-            if any(0 < p.top_k < v or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
-                drawn = _argmax(self.filtered_probs(x, params, st["settings"]) / exponential_noise(st["seed"], st["pos"],
-                                                                                                   st["vocab"]))
-                tokens = torch.where(st["greedy"], _argmax(x), drawn)
-            else:
-                tokens = race(x, st["seed"], st["pos"], st["greedy"], st["settings"][:, 0].contiguous(), st["vocab"])
+            x = self.filtered(x, params, st["settings"])  # NOTE: one race for every row: a draw is its own row's alone
+            tokens = race(x, st["seed"], st["pos"], st["greedy"], st["settings"][:, 0].contiguous(), st["vocab"])
         st["tokens"] = tokens
         return tokens
 
