@@ -1,8 +1,7 @@
 """The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
-each where the PyTorch forms launch several: Gemma RMSNorm (3), q with k normed and rotated (8), SwiGLU-OAI (6), the
-router's top-k (6), each (token, expert) pair's products (2 against 13 grouped), the race (34). With triton_indexer's,
-a bf16 decode step of configs/tiny launches 196 kernels, 559 without. Each computes in float32, rounding once (bf16:
-within the PyTorch forms' rounding). Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
+each where the PyTorch forms launch several (RMSNorm 3, q with k normed and rotated 8, SwiGLU-OAI 6, top-k routing 6,
+the MoE's pairs 13 grouped, the race 34): a bf16 tiny decode step 559 -> 196 kernels with triton_indexer's. Each
+computes in float32, rounding once. Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
 
@@ -83,7 +82,8 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
 def race(x, seeds, positions, greedy, temperature, tokens):
     """sampler.race of float32 logits x [B, V] (a program a row, V in tiles)."""
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
-    _race_kernel[(len(x),)](x.contiguous(), seeds, positions, greedy, temperature, tokens, out, x.shape[1], BLOCK=1024)
+    _race_kernel[(len(x),)](x.contiguous(), seeds, positions, greedy, temperature, temperature.stride(0), tokens, out,
+                            x.shape[1], BLOCK=1024)
     return out
 
 
@@ -176,11 +176,11 @@ if triton is not None:
         tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)
 
     @triton.jit
-    def _race_kernel(x, seeds, positions, greedy, temperature, tokens, out, v, BLOCK: tl.constexpr):
+    def _race_kernel(x, seeds, positions, greedy, temperature, t_stride, tokens, out, v, BLOCK: tl.constexpr):
         """Row r's argmax of x / t - log E over tiles (the first of equal keys), E = -log(unit(bits)) as in sampler."""
         r = tl.program_id(0).to(tl.int64)
         row = _mix((tl.load(seeds + r) ^ (tl.load(positions + r) & 0xFFFFFFFF)).to(tl.uint32))
-        greedy_row, t = tl.load(greedy + r) != 0, tl.load(temperature + r)
+        greedy_row, t = tl.load(greedy + r) != 0, tl.load(temperature + r * t_stride)
         best, at = float("-inf"), 0
         for start in range(0, v, BLOCK):
             i = start + tl.arange(0, BLOCK)

@@ -122,7 +122,7 @@ class Sampler:
                                                 dtype=torch.float32, device=dev))  # (top-k off: V, top-p off: 2)
             st["pos"] = st["pos"] + 1  # (the position each row's token fills)
             x = self.filtered(x, params, st["settings"])  # NOTE: one race for every row: a draw is its own row's alone
-            tokens = race(x, st["seed"], st["pos"], st["greedy"], st["settings"][:, 0].contiguous(), st["vocab"])
+            tokens = race(x, st["seed"], st["pos"], st["greedy"], st["settings"][:, 0], st["vocab"])
         st["tokens"] = tokens
         return tokens
 
