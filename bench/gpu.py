@@ -12,8 +12,9 @@
    the kernels of its batch-1 step (profiled).
 
 Writes docs/benchmarks/gpu.json and prints it with the ratios against the targets. A section that fails is
-recorded with its error and the rest still run. Sections named on the command line run alone; three run only when
-named: `cpu_small_batch` (bench/small_batch.py on the host's CPU), and two experiments for the next design step:
+recorded with its error and the rest still run. Sections named on the command line run alone; four run only when
+named: `cpu_small_batch` (bench/small_batch.py on the host's CPU), `moe_forms` (the MoE's pair kernels against its
+grouped matmuls, 1-128 rows: where PAIR_BYTES should sit), and two experiments for the next design step:
 `startup_phases` (a start's seconds by phase) and `compiled_capture` (--enable-torch-compile: the step compiled by
 inductor, then captured, against the eager step's capture: ready seconds cold and warm, replay ms and kernels, steps,
 greedy tokens; the mid-size model compiled: its ready seconds and roofline fraction).
@@ -435,6 +436,36 @@ def compiled_child(name: str) -> dict:
     return out
 
 
+def moe_forms() -> dict:
+    """The MoE's two CUDA forms for one layer, bf16, at 1-128 rows: each (token, expert) pair's Triton kernels against
+    the grouped matmuls, each form captured in a CUDA graph and replayed (ms a layer), for configs/tiny's experts
+    (8, top-2, 256 x 256) and the mid-size model's (64, top-4, 2048 x 256): where `layers.PAIR_BYTES` should sit (the
+    pairs run while they read at most that much more than the grouped form)."""
+    import dataclasses
+
+    from engine.model import layers
+    from engine.model.config_json import load_config
+
+    out, real = {}, layers.PAIR_BYTES
+    for name, shape in (("tiny", {}), ("midsize", {"hidden_size": 2048, "num_experts": 64, "num_experts_per_tok": 4})):
+        moe = layers.MoE(dataclasses.replace(load_config(TINY), **shape)).to("cuda")
+        with torch.no_grad():
+            for name_, p in moe.named_parameters():  # (the router stays float32, as the loader keeps it)
+                p.data = (torch.randn_like(p) * p.shape[-1] ** -0.5).to(p.dtype if "router" in name_ else torch.bfloat16)
+            for rows in (1, 4, 8, 16, 32, 64, 128):
+                x, times = torch.randn(rows, moe.w13.shape[-1], device="cuda", dtype=torch.bfloat16), {}
+                for form, limit in (("pairs", 1 << 62), ("grouped", -(1 << 62))):
+                    layers.PAIR_BYTES = limit
+                    moe(x)  # (kernels built before the capture)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        moe(x)
+                    times[form] = graph_ms(graph)
+                layers.PAIR_BYTES = real
+                out[f"{name}_rows{rows}"] = times | {"pairs_over_grouped": _ratio(times["pairs"], times["grouped"])}
+    return out
+
+
 def cpu_small_batch() -> dict:
     subprocess.run([sys.executable, "-m", "bench.small_batch"], cwd=ROOT, check=True, timeout=500)
     return json.loads((ROOT / "docs" / "benchmarks" / "small_batch.json").read_text())
@@ -452,7 +483,7 @@ def main() -> None:
         if not only or name in only:
             section(results, name, fn)
     for name, fn in (("cpu_small_batch", cpu_small_batch), ("startup_phases", startup_phases),
-                     ("compiled_capture", compiled_capture)):
+                     ("compiled_capture", compiled_capture), ("moe_forms", moe_forms)):
         if name in only:  # (opt-in: the host's CPU for bench/small_batch.py's A/B; the two design experiments)
             section(results, name, fn)
     off, srv = results.get("offline", {}), results.get("server", {})
