@@ -16,9 +16,10 @@ def serves(x: torch.Tensor, *dims: int) -> bool:
     return triton_decode.serves(x.device, *dims) and not torch.is_grad_enabled()
 
 
-def _op(schema: str, fake=None):  # (after a failure, layers.py's form of the same name: it imports this module)
-    return lambda launch: kernel_op(schema, lambda *a: getattr(importlib.import_module("engine.model.layers"),
-                                                               launch.__name__)(*a), fake)(launch)
+def _op(schema: str, fake=None, forms: str = "engine.model.layers"):  # (after a failure, the PyTorch form of the
+    # same name in `forms`, looked up then: that module imports this one)
+    return lambda launch: kernel_op(schema, lambda *a: getattr(importlib.import_module(forms), launch.__name__)(*a),
+                                    fake)(launch)
 
 
 @_op("(Tensor x, Tensor weight, float eps) -> Tensor")
@@ -76,9 +77,8 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
     return out
 
 
-@kernel_op("(Tensor x, Tensor seeds, Tensor positions, Tensor greedy, Tensor temperature, Tensor tokens) -> Tensor",
-           lambda *a: importlib.import_module("engine.runtime.sampler").race(*a),
-           fake=lambda x, *_: x.new_empty(x.shape[0], dtype=torch.int64))
+@_op("(Tensor x, Tensor seeds, Tensor positions, Tensor greedy, Tensor temperature, Tensor tokens) -> Tensor",
+     fake=lambda x, *_: x.new_empty(x.shape[0], dtype=torch.int64), forms="engine.runtime.sampler")
 def race(x, seeds, positions, greedy, temperature, tokens):
     """sampler.race of float32 logits x [B, V] (a program a row, V in tiles)."""
     out = torch.empty(x.shape[0], dtype=torch.int64, device=x.device)
