@@ -45,16 +45,14 @@ class TokenSlotAllocator:
         if slots.numel() == 0:
             return
         if checked:
-            bad = (slots < 1) | (slots > self.size)
-            if bool(bad.any()):
+            if bool((bad := (slots < 1) | (slots > self.size)).any()):
                 slot = int(slots[bad][0])
                 raise ValueError(f"TokenSlotAllocator.free: slot {slot} is outside the allocatable range "
                                  f"[1, {self.size}]" + (" (it is the reserved padding slot)" if slot == 0 else ""))
             uniq, counts = torch.unique(slots, return_counts=True)
             if bool((counts > 1).any()):
                 raise ValueError(f"TokenSlotAllocator.free: slot {int(uniq[counts > 1][0])} given twice (double free)")
-            not_owned = ~self._allocated[slots]
-            if bool(not_owned.any()):
+            if bool((not_owned := ~self._allocated[slots]).any()):
                 raise ValueError(f"TokenSlotAllocator.free: slot {int(slots[not_owned][0])} is not allocated "
                                  "(double free?)")
         self._allocated[slots] = False
@@ -74,9 +72,8 @@ class TokenSlotAllocator:
     def check_integrity(self) -> bool:
         free = self._free
         assert torch.unique(free).numel() == free.numel(), "TokenSlotAllocator: free list holds duplicate slots"
-        if free.numel():
-            assert int(free.min()) >= 1 and int(free.max()) <= self.size, (
-                f"TokenSlotAllocator: free list holds slots outside [1, {self.size}]")
+        assert bool(((free >= 1) & (free <= self.size)).all()), (
+            f"TokenSlotAllocator: free list holds slots outside [1, {self.size}]")
         assert not bool(self._allocated[0]), "TokenSlotAllocator: padding slot 0 is marked allocated"
         both = free[self._allocated[free]]
         assert both.numel() == 0, f"TokenSlotAllocator: slots {both[:8].tolist()} are both free and allocated"

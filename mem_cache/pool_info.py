@@ -111,10 +111,18 @@ class SparsePoolInfoMixin:
 
     def buffer(self, layer_id: int, buffer: str) -> torch.Tensor:
         """The tensor of one buffer of one layer, `[size + 1, heads, dim]`; `MissingBufferError` if it lacks it."""
-        if (loc := self.buffer_location(layer_id, buffer)) is None:
-            raise self._missing_buffer_error(layer_id, buffer)
-        get = loc.pool.get_key_buffer if buffer in ("key", "index_key") else loc.pool.get_value_buffer
-        return get(loc.local_layer_id)
+        if (loc := self.buffer_location(layer_id, buffer)) is not None:
+            get = loc.pool.get_key_buffer if buffer in ("key", "index_key") else loc.pool.get_value_buffer
+            return get(loc.local_layer_id)
+        kind, owners = self.layer_kinds[layer_id], self.layers_with(buffer)
+        tail = f"only layers {owners} have '{buffer}'." if owners else f"no layer of this model has '{buffer}'."
+        if kind == SPARSE_K_ONLY:  # the only buffer a K-only layer lacks is index_value
+            msg = (f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K lives in "
+                   f"MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the index keys; {tail}")
+        else:  # dense (NOTE: KIND_BUFFERS gives a sparse_index_kv layer every buffer)
+            msg = (f"layer {layer_id} is a dense layer: it has no indexer, so it has only buffers 'key' and "
+                   f"'value' (in {self.main_pool.name}). Use buffer 'key' / 'value' for its attention K/V; {tail}")
+        raise MissingBufferError(msg, layer_id, buffer)
 
     def buffer_info(self, layer_id: int, buffer: str) -> dict[str, Any]:
         """Metadata of one real buffer; `MissingBufferError` (says why, what to use) if the layer lacks it."""
@@ -128,23 +136,11 @@ class SparsePoolInfoMixin:
                  "head_num": p.head_num, "head_dim": p.head_dim, "has_key": True, "has_value": p.has_value_buffer,
                  "bytes": p.total_bytes()} for p in self.sub_pools()]
 
-    def _missing_buffer_error(self, layer_id: int, buffer: str) -> MissingBufferError:
-        kind, owners = self.layer_kinds[layer_id], self.layers_with(buffer)
-        tail = f"only layers {owners} have '{buffer}'." if owners else f"no layer of this model has '{buffer}'."
-        if kind == SPARSE_K_ONLY:  # the only buffer a K-only layer lacks is index_value
-            msg = (f"layer {layer_id} is a score-only sparse layer (sparse_disable_index_value): its index K lives in "
-                   f"MHATokenToKOnlyPool, which does not allocate V. Use buffer 'index_key' for the index keys; {tail}")
-        else:  # dense (NOTE: KIND_BUFFERS gives a sparse_index_kv layer every buffer)
-            msg = (f"layer {layer_id} is a dense layer: it has no indexer, so it has only buffers 'key' and "
-                   f"'value' (in {self.main_pool.name}). Use buffer 'key' / 'value' for its attention K/V; {tail}")
-        return MissingBufferError(msg, layer_id, buffer)
-
     def check_integrity(self) -> bool:
         for pool in self.sub_pools():
             assert pool.has_value_buffer or not hasattr(pool, "v_buffer"), f"'{pool.name}': a K-only pool holds V"
             assert (pool.size, pool.dtype) == (self.size, self.dtype), f"'{pool.name}': size/dtype not the parent's"
-        for layer_id, kind in enumerate(self.layer_kinds):
-            routes = self._routes[layer_id]
+        for layer_id, (kind, routes) in enumerate(zip(self.layer_kinds, self._routes)):
             present = {b for b, r in routes.items() if r is not None}
             assert set(routes) == set(BUFFER_NAMES) and present == KIND_BUFFERS[kind], (
                 f"layer {layer_id} ({kind}) routes {sorted(present)}")

@@ -81,7 +81,10 @@ class RadixCache:
             self.allocator.free(slots)
             return
         self.dec_lock_ref(locked_node)  # NOTE: first, so an unbalanced unlock leaves the tree untouched
-        present = self._insert(list(token_ids), slots)
+        node, present, _ = self._descend(tokens := list(token_ids), split_inside=False)
+        if present < len(tokens):  # (the tokens after those present: a new leaf, their slots now the tree's)
+            node.children[tokens[present]] = self._node(tokens[present:], slots[present:].clone(), node)
+            self._evictable += len(tokens) - present
         assert present >= own_from, f"RadixCache: {own_from} slots given as the tree's, which holds {present} of them"
         self.allocator.free(slots[own_from:present], checked=False)
 
@@ -203,11 +206,3 @@ class RadixCache:
             values.append(child.value)
             node, pos = child, pos + m
         return node, pos, values
-
-    def _insert(self, tokens: list[int], slots: torch.Tensor) -> int:
-        """Insert `tokens` (the new ones' slots become the tree's); return how many leading tokens were present."""
-        node, pos, _ = self._descend(tokens, split_inside=False)
-        if pos < len(tokens):
-            node.children[tokens[pos]] = self._node(tokens[pos:], slots[pos:].clone(), node)
-            self._evictable += len(tokens) - pos
-        return pos

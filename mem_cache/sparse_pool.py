@@ -37,18 +37,11 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         self.index_kv_pool = index_pool(MHATokenToKVPool, self.index_kv_layer_ids, "index_kv_pool")
         self.index_k_pool = index_pool(MHATokenToKOnlyPool, self.index_k_layer_ids, "index_k_pool")
         # NOTE: _routes alone says which buffer of which layer lives where: all accessors and introspection use it.
-        self._routes = [self._build_routes(i) for i in range(self.num_layers)]
-
-    def _build_routes(self, layer_id: int) -> dict[str, BufferLocation | None]:
-        kind = self.layer_kinds[layer_id]
-        routes: dict[str, BufferLocation | None] = dict.fromkeys(pool_info.BUFFER_NAMES)
-        routes["key"] = routes["value"] = BufferLocation(self.main_pool, layer_id)
-        if kind == pool_info.SPARSE_INDEX_KV and self.index_kv_pool is not None:
-            loc = BufferLocation(self.index_kv_pool, self.index_kv_layer_ids.index(layer_id))
-            routes["index_key"] = routes["index_value"] = loc
-        elif kind == pool_info.SPARSE_K_ONLY and self.index_k_pool is not None:
-            routes["index_key"] = BufferLocation(self.index_k_pool, self.index_k_layer_ids.index(layer_id))
-        return routes
+        self._routes = [dict.fromkeys(pool_info.BUFFER_NAMES) for _ in self.layer_kinds]
+        for pool, names in ((self.main_pool, ("key", "value")), (self.index_kv_pool, ("index_key", "index_value")),
+                            (self.index_k_pool, ("index_key",))):
+            for local, layer in enumerate(pool.global_layer_ids if pool is not None else []):
+                self._routes[layer] |= dict.fromkeys(names, BufferLocation(pool, local))
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.main_pool.get_key_buffer(layer_id)

@@ -28,8 +28,7 @@ OPEN_PATHS = ("/health", "/liveness")  # reachable without the API key (kubelet 
 
 
 def _validation_message(exc: RequestValidationError, content_type: str) -> str:
-    media = media_type(content_type)
-    if media != "application/json" and not media.endswith("+json") and any(
+    if (media := media_type(content_type)) != "application/json" and not media.endswith("+json") and any(
             tuple(err.get("loc", ())) == ("body",) and isinstance(err.get("input"), bytes) for err in exc.errors()):
         return not_json_message(content_type)  # NOTE: FastAPI validates a body of another declared type as raw bytes
     parts = []
@@ -67,17 +66,14 @@ class BodyLimit:
         path, length = scope.get("path", ""), dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.limit:
             return await self._refuse(path, send)
-        chunks, seen = [], 0
-        while True:
+        chunks, seen, more = [], 0, True
+        while more:
             if (msg := await receive())["type"] != "http.request":  # the client left before sending its whole body
                 return
-            body = msg.get("body", b"")
-            seen += len(body)
-            if seen > self.limit:
+            chunks.append(msg.get("body", b""))
+            if (seen := seen + len(chunks[-1])) > self.limit:
                 return await self._refuse(path, send)
-            chunks.append(body)
-            if not msg.get("more_body", False):
-                break
+            more = msg.get("more_body", False)
         whole: Iterator[Message] = iter([{"type": "http.request", "body": b"".join(chunks), "more_body": False}])
 
         async def replay() -> Message:

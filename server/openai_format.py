@@ -121,8 +121,7 @@ def completion_logprobs(tok: Tokenizer, lp: Logprobs, echo: bool, offset: int) -
     rows = list(zip(lp.input_token, lp.input_top or [None] * len(lp.input_token))) if echo else []
     rows += list(zip(lp.output_token, lp.output_top or [None] * len(lp.output_token)))
     for (logprob, token_id), top in rows:
-        text = token_text(tok, token_id)
-        out.tokens.append(text)
+        out.tokens.append(text := token_text(tok, token_id))
         out.token_logprobs.append(logprob)
         out.text_offset.append(offset)
         offset += len(text)

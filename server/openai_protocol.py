@@ -126,20 +126,17 @@ def document_request_bodies(schema: dict[str, Any]) -> None:
     themselves (Content-Type check, OpenAI error envelope), so FastAPI cannot see the models."""
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
-        if (op := schema.get("paths", {}).get(path, {}).get("post")) is None:
-            continue
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
         for name, sub in body.pop("$defs", {}).items():
             components.setdefault(name, sub)
         components[model.__name__] = body
-        op["requestBody"] = {"required": True, "content": {"application/json": {
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
     # validation errors are 400 in this server's envelopes (app.py), never FastAPI's 422
-    for path, item in schema.get("paths", {}).items():
+    for path, item in schema["paths"].items():
         for op in item.values():
-            responses = op.setdefault("responses", {})
-            responses.pop("422", None)
-            responses["400"] = {"description": "Bad request: " + (
+            op.setdefault("responses", {}).pop("422", None)
+            op["responses"]["400"] = {"description": "Bad request: " + (
                 "the OpenAI error object" if path.startswith("/v1/") else '{"error": {"message": ...}}')}
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)

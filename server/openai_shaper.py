@@ -108,12 +108,10 @@ class ChatShaper(_Shaper):
         return "".join(lines) or None
 
     def response(self, joined: list) -> dict[str, Any]:
-        choices = []
-        for i, j in enumerate(joined):
-            lp = (fmt.ChoiceLogprobs(content=fmt.chat_logprobs(self.tok, j.logprobs))
-                  if self.req.logprobs and j.logprobs else None)
-            choices.append(fmt.ChatChoice(index=i, message=fmt.AssistantMessage(content=j.text), logprobs=lp,
-                                          **fmt.finish_fields(j.last.finish_reason)))
+        lps = [fmt.ChoiceLogprobs(content=fmt.chat_logprobs(self.tok, j.logprobs))
+               if self.req.logprobs and j.logprobs else None for j in joined]
+        choices = [fmt.ChatChoice(index=i, message=fmt.AssistantMessage(content=j.text), logprobs=lps[i],
+                                  **fmt.finish_fields(j.last.finish_reason)) for i, j in enumerate(joined)]
         plp = fmt.prompt_logprobs(self.tok, joined[0].logprobs, self.req.prompt_logprobs)
         resp = fmt.ChatCompletionResponse(**self.head, choices=choices, usage=self.usage(), prompt_logprobs=plp)
         return resp.model_dump(mode="json")

@@ -139,8 +139,7 @@ def _pool_info(request: Request, layer_id: int, buffer: str | None = None) -> di
 
 @router.get("/pools")
 async def pools(request: Request) -> dict[str, Any]:
-    eng = server_state(request).engine
-    pool, st = eng.pool, eng.stats()
+    pool, st = (eng := server_state(request).engine).pool, eng.stats()
     return {"pool_class": type(pool).__name__, "device": str(pool.device),
             "dtype": str(pool.dtype).removeprefix("torch."), "page_size": pool.page_size,
             "size_tokens": st.max_total_tokens, "used_tokens": st.used_tokens, "free_tokens": st.free_tokens,

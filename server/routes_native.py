@@ -36,8 +36,7 @@ def _prompts(req: GenerateReqInput, tok: Tokenizer | None) -> tuple[list[list[in
     if (req.text is None) == (req.input_ids is None):
         raise BadRequest("Either text, input_ids or input_embeds should be provided." if req.text is None
                          else "Either text or input_ids should be provided, not both.")
-    if req.input_ids is not None:
-        ids = req.input_ids
+    if (ids := req.input_ids) is not None:
         return ([list(ids)], True) if not ids or isinstance(ids[0], int) else ([list(x) for x in ids], False)
     if tok is None:
         raise BadRequest("text input needs a tokenizer, but this server runs with --skip-tokenizer-init: "
@@ -80,8 +79,6 @@ def plan_generate(req: GenerateReqInput, tok: Tokenizer | None, cap: int | None)
     if (k := len(prompts)) == 0:
         raise BadRequest("The batch is empty: give at least one prompt.")
     raws = _per_prompt("sampling_params", req.sampling_params, k, 1, {})
-    if scalar and isinstance(req.sampling_params, list) and len(req.sampling_params) != 1:
-        raise BadRequest("sampling_params must be an object (or a 1-element list) for a single prompt.")
     params = [sampling_params(r, cap, SamplingParams.max_new_tokens) for r in raws]
     n = params[0].n
     if any(p.n != n for p in params):
@@ -184,8 +181,7 @@ async def abort_request(body: AbortReq, request: Request) -> Response:
 @router.get("/flush_cache", operation_id="flush_cache")
 async def flush_cache(request: Request) -> Response:
     """Drop the prefix cache; refused with 400 while requests are queued or running."""
-    state = server_state(request)
-    ae = state.async_engine
+    ae = (state := server_state(request)).async_engine
     if ae.num_in_flight() == 0 and await ae.on_engine_thread(state.engine.flush_cache):  # it runs torch
         logger.info("prefix cache flushed")
         return PlainTextResponse("Cache flushed." + FLUSH_NOTE)
