@@ -38,10 +38,16 @@ def _randn(*shape: int, g: torch.Generator, scale: float = 1.0, dtype: torch.dty
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [256, 200])
-def test_rms_norm_kernel_equals_the_pytorch_form(dtype, n):
+def test_rms_norm_kernels_equal_the_pytorch_forms(dtype, n):
+    """The norm alone, and with the residual add before it."""
     g = torch.Generator().manual_seed(0)
     x, w = _randn(3, 5, n, g=g, scale=3.0, dtype=dtype), _randn(n, g=g, scale=0.2, dtype=dtype)
     _close(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6), dtype)
+    delta = _randn(3, 5, n, g=g, scale=3.0, dtype=dtype)
+    h, normed = fused.add_rms_norm(x, delta, w, 1e-6)
+    _close(h, x + delta, dtype)  # (on a GPU, bit for bit: Triton's interpreter truncates to bf16, a GPU rounds)
+    assert DEVICE == "cpu" or torch.equal(h, x + delta)
+    _close(normed, layers.add_rms_norm(x, delta, w, 1e-6)[1], dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,11 +74,11 @@ def test_swiglu_kernel_equals_the_pytorch_form(dtype, inter):
 def test_route_kernel_equals_the_pytorch_form(experts, k):
     g = torch.Generator().manual_seed(3)
     logits, bias = _randn(9, experts, g=g, scale=2.0), _randn(experts, g=g, scale=0.1)
-    ids, w = fused.route(logits, bias, k)
-    want_ids, want_w = layers.route(logits, bias, k)
+    ids, w = fused.route(logits, bias, k, 2.5)  # (weights scaled: the MoE's gamma)
+    want_ids, want_w = layers.route(logits, bias, k, 2.5)
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-6)
-    tied, _ = fused.route(torch.zeros(2, experts, device=DEVICE), torch.zeros(experts, device=DEVICE), k)
+    tied, _ = fused.route(torch.zeros(2, experts, device=DEVICE), torch.zeros(experts, device=DEVICE), k, 1.0)
     assert tied.tolist() == [list(range(k))] * 2  # (equal keys: the lower ids, in order)
 
 

@@ -1,7 +1,8 @@
 """The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
-each where the PyTorch forms launch several (RMSNorm 3, q with k normed and rotated 8, SwiGLU-OAI 6, top-k routing 6,
-the MoE's pairs 13 grouped, the race 34): a bf16 tiny decode step 559 -> 196 kernels with triton_indexer's. Each
-computes in float32, rounding once. Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
+each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
+8, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, the race 34): a bf16 tiny decode step 559 -> 174 kernels
+with triton_indexer's. Each computes in float32, rounding once. Callers ask `serves`; their forms serve elsewhere, and
+for good after a failure."""
 
 import importlib
 
@@ -25,10 +26,22 @@ def _op(schema: str, fake=None, forms: str = "engine.model.layers"):  # (after a
 @_op("(Tensor x, Tensor weight, float eps) -> Tensor")
 def rms_norm(x, weight, eps):
     """layers.rms_norm of x [..., n] with weight [n]."""
+    return _rms(x, None, weight, eps)[1]
+
+
+@_op("(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
+     fake=lambda x, *_: (torch.empty_like(x), torch.empty_like(x)))
+def add_rms_norm(x, delta, weight, eps):
+    """layers.add_rms_norm: (x + delta, its norm), one kernel."""
+    return _rms(x, delta, weight, eps)
+
+
+def _rms(x, delta, weight, eps):
     n, x = x.shape[-1], x.contiguous()
-    out = torch.empty_like(x)
-    _rms_kernel[(x.numel() // n,)](x, weight, out, n, eps, N=triton.next_power_of_2(n))
-    return out
+    h, out = x if delta is None else torch.empty_like(x), torch.empty_like(x)
+    _rms_kernel[(x.numel() // n,)](x, x if delta is None else delta.contiguous(), weight, h, out, n, eps,
+                                   N=triton.next_power_of_2(n), ADD=delta is not None)
+    return h, out
 
 
 @_op("(Tensor y, Tensor w1, Tensor w2, int first, Tensor rot, float eps) -> Tensor",
@@ -54,13 +67,13 @@ def swiglu_oai(gate_up, alpha, limit):
     return out
 
 
-@_op("(Tensor logits, Tensor bias, int top_k) -> (Tensor, Tensor)",
-     fake=lambda x, bias, k: (x.new_empty(x.shape[0], k, dtype=torch.int64), x.new_empty(x.shape[0], k)))
-def route(logits, bias, top_k):
+@_op("(Tensor logits, Tensor bias, int top_k, float scale) -> (Tensor, Tensor)",
+     fake=lambda x, bias, k, _: (x.new_empty(x.shape[0], k, dtype=torch.int64), x.new_empty(x.shape[0], k)))
+def route(logits, bias, top_k, scale):
     """layers.route of the router's float32 logits [T, E]: ids [T, k] (descending, ties to the lower id) and w."""
     (t, e), logits = logits.shape, logits.contiguous()
     ids, w = torch.empty(t, top_k, dtype=torch.int64, device=logits.device), torch.empty_like(logits[:, :top_k])
-    _route_kernel[(t,)](logits, bias, ids, w, e, K=top_k, KP=triton.next_power_of_2(top_k),
+    _route_kernel[(t,)](logits, bias, ids, w, e, scale, K=top_k, KP=triton.next_power_of_2(top_k),
                         EP=triton.next_power_of_2(e))
     return ids, w
 
@@ -95,10 +108,14 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _rms_kernel(x, w, out, n, eps, N: tl.constexpr):
+    def _rms_kernel(x, delta, w, h, out, n, eps, N: tl.constexpr, ADD: tl.constexpr):
         at = tl.program_id(0).to(tl.int64) * n + tl.arange(0, N)
         ok = tl.arange(0, N) < n
         v = tl.load(x + at, mask=ok, other=0.0).to(tl.float32)
+        if ADD:  # (h = x + delta rounded to its dtype, as torch's add; normed as rounded)
+            v = (v + tl.load(delta + at, mask=ok, other=0.0).to(tl.float32)).to(h.dtype.element_ty)
+            tl.store(h + at, v, mask=ok)
+            v = v.to(tl.float32)
         v = v * tl.rsqrt(tl.sum(v * v, 0) / n + eps)
         tl.store(out + at, (v + v * tl.load(w + tl.arange(0, N), mask=ok).to(tl.float32)).to(out.dtype.element_ty),
                  mask=ok)
@@ -133,7 +150,7 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
-    def _route_kernel(logits, bias, ids, w, n, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr):
+    def _route_kernel(logits, bias, ids, w, n, scale, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr):
         t, e, s = tl.program_id(0).to(tl.int64), tl.arange(0, EP), tl.arange(0, KP)
         score = tl.sigmoid(tl.load(logits + t * n + e, mask=e < n, other=0.0))
         key = tl.where(e < n, score + tl.load(bias + e, mask=e < n, other=0.0), float("-inf"))
@@ -143,7 +160,7 @@ if triton is not None:
             picked = tl.where(s == i, tl.sum(tl.where(e == best, score, 0.0)), picked)
             tl.store(ids + t * K + i, best.to(tl.int64))
             key = tl.where(e == best, float("-inf"), key)
-        tl.store(w + t * K + s, picked / tl.sum(picked), mask=s < K)
+        tl.store(w + t * K + s, picked / (tl.sum(picked) / scale), mask=s < K)
 
     @triton.jit
     def _experts_up_kernel(x, ids, w13, act, n, inter, alpha, limit, K: tl.constexpr, BI: tl.constexpr,

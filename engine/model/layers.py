@@ -36,6 +36,14 @@ def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, r
     return apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
+    """(h, rms_norm(h)) for h = x + delta: a residual add and the norm after it, one kernel on CUDA."""
+    if fused.serves(x):
+        return fused.add_rms_norm(x, delta, weight, eps)
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
 class GemmaRMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -43,6 +51,9 @@ class GemmaRMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
+
+    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -115,14 +126,14 @@ def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: t
     return (y * w.to(y.dtype)[..., None]).sum(dim=1)
 
 
-def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k expert ids [T, k] (chosen on score + bias, score = sigmoid(logit)) and their normalized scores [T, k]."""
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k expert ids [T, k] (chosen on score + bias, score = sigmoid(logit)), their normalized scores [T, k] * scale."""
     if fused.serves(logits):
-        return fused.route(logits, bias, top_k)
+        return fused.route(logits, bias, top_k, scale)
     scores = torch.sigmoid(logits)
     ids = torch.topk(scores + bias, top_k, dim=-1).indices
     w = scores.gather(1, ids)
-    return ids, w / w.sum(dim=-1, keepdim=True)
+    return ids, w / (w.sum(dim=-1, keepdim=True) / scale)
 
 
 class MoE(nn.Module):
@@ -141,8 +152,8 @@ class MoE(nn.Module):
         self.shared = (GatedMLP(h, cfg.shared_intermediate_size, self.alpha, self.limit)
                        if cfg.shared_intermediate_size > 0 else None)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return route(F.linear(x.float(), self.router), self.router_bias, self.top_k)
+    def route(self, x: torch.Tensor, scale: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return route(F.linear(x.float(), self.router), self.router_bias, self.top_k, scale)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE(x): each token through its k experts only, in static-shape forms with no host sync (a captured step runs
@@ -150,7 +161,7 @@ class MoE(nn.Module):
         over the (token, expert) pairs unless they read much more than the grouped form (`PAIR_BYTES`): pairs sorted by
         expert through grouped matmuls where torch's grouped kernel needs no sync (`grouped_kernel`), else the gathered
         experts. NOTE: C kernel / loop over experts / all experts, 64 tokens: 0.51 / 0.80 / 1.54 ms."""
-        ids, w = self.route(x)
+        ids, w = self.route(x, self.scale)  # (gamma on the k weights: sum_e (gamma w_e) Expert_e(x))
         if on_kernel(x, self.w13, self.w2):
             routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         elif fused.serves(x) and (not grouped_kernel(x) or (ids.numel() - self.w13.shape[0]) * (
@@ -160,8 +171,7 @@ class MoE(nn.Module):
             routed = self._grouped(x, ids, w)
         else:
             routed = gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
-        out = routed * self.scale
-        return out if self.shared is None else out + self.shared(x)
+        return routed if self.shared is None else routed + self.shared(x)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, then one grouped matmul per projection: each pair

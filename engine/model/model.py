@@ -57,10 +57,13 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = (MoE(cfg) if cfg.moe_layers[layer_id] else
                                GatedMLP(cfg.hidden_size, cfg.dense_intermediate_size, cfg.swiglu_alpha, cfg.swiglu_limit))
 
-    def forward(self, x: torch.Tensor, rot: torch.Tensor, masks: tuple | None, batch: ForwardBatch | DecodeBatch,
-                pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        h = x + self.self_attn(self.input_layernorm(x), rot, masks, batch, pool)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x: torch.Tensor, delta: torch.Tensor | None, rot: torch.Tensor, masks: tuple | None,
+                batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual stream x + delta (delta: the last layer's MLP output, None at the first layer, added here with
+        the norm after it) -> (the stream with this layer's attention output added, this layer's MLP output)."""
+        x, n = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add(x, delta)
+        h, n = self.post_attention_layernorm.add(x, self.self_attn(n, rot, masks, batch, pool))
+        return h, self.mlp(n)
 
 
 class MiniMaxM3Model(nn.Module):
@@ -77,12 +80,12 @@ class MiniMaxM3Model(nn.Module):
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        x = self.embed_tokens(batch.input_ids)
+        x, delta = self.embed_tokens(batch.input_ids), None
         rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)  # (once a step, for all layers; so are the masks)
         masks = decode_masks(batch, self.cfg) if isinstance(batch, DecodeBatch) else None
         for layer in self.layers:
-            x = layer(x, rot, masks, batch, pool)
-        return self.norm(x)
+            x, delta = layer(x, delta, rot, masks, batch, pool)
+        return self.norm.add(x, delta)[1]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits for the given final hidden states [n, H] (differentiable: training uses it)."""
