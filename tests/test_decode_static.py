@@ -97,7 +97,7 @@ def test_ops_per_decode_step_do_not_grow_with_rows(temperature):
 NO_KERNEL = {"view", "_unsafe_view", "reshape", "expand", "slice", "select", "transpose", "t", "unsqueeze", "squeeze",
              "permute", "as_strided", "alias", "split", "split_with_sizes", "detach", "unbind", "unflatten", "flatten",
              "empty", "empty_like", "empty_strided", "new_empty", "contiguous"}
-KERNEL_BUDGET = 180  # configs/tiny: 174 with Triton's pointwise (the residual add in the next norm), MoE and selection
+KERNEL_BUDGET = 175  # configs/tiny: 168 with Triton's pointwise (the residual add in the next norm), MoE and selection
 #                      kernels too (559 with its decode kernels alone, 670 gathering, 1,169 before them; 2026-12-05)
 
 

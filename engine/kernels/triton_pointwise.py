@@ -1,6 +1,6 @@
 """The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
 each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
-8, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, the race 34): a bf16 tiny decode step 559 -> 174 kernels
+8, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, the race 34): a bf16 tiny decode step 559 -> 168 kernels
 with triton_indexer's. Each computes in float32, rounding once. Callers ask `serves`; their forms serve elsewhere, and
 for good after a failure."""
 

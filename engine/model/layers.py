@@ -95,8 +95,10 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.empty(hidden, inter))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu_oai(F.linear(x, self.gate_up_proj), self.alpha, self.limit), self.down_proj)
+    def forward(self, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
+        """The MLP of x; with `plus`, plus + it, written into `plus` (the down projection adds it: one kernel)."""
+        h = swiglu_oai(F.linear(x, self.gate_up_proj), self.alpha, self.limit)
+        return F.linear(h, self.down_proj) if plus is None else plus.addmm_(h, self.down_proj.t())
 
 
 GATHER_ROWS = 16
@@ -171,7 +173,7 @@ class MoE(nn.Module):
             routed = self._grouped(x, ids, w)
         else:
             routed = gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
-        return routed if self.shared is None else routed + self.shared(x)
+        return routed if self.shared is None else self.shared(x, plus=routed)
 
     def _grouped(self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """The T*k (token, expert) pairs sorted by expert, then one grouped matmul per projection: each pair
