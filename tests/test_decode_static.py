@@ -30,6 +30,12 @@ def _grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
     return 2 * a_shape[0] * a_shape[1] * b_shape[-1]
 
 
+@register_flop_formula(torch.ops.aten.addmm_)
+def _addmm_flops(c_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    """The shared expert's down projection, into the routed output (torch counts addmm, not addmm_): 2 M K N."""
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 @pytest.fixture(scope="module")
 def many_experts(tmp_path_factory) -> Path:
     """configs/tiny's shape with 128 experts, top-4, three layers (one of each kind)."""

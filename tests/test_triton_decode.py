@@ -159,9 +159,21 @@ def test_a_kernel_that_raises_leaves_the_other_forms_serving(monkeypatch, caplog
     assert "Triton's _attention failed" in caplog.text and not triton_decode.serves(torch.device("cuda"), 32)
 
 
-def test_a_step_whose_first_launch_raises_ends_on_the_other_forms(monkeypatch, caplog):
-    """Layer 0's norm raises, after the step left its block selection to the kernel (no masks made): the step ends
-    on the PyTorch forms, selection included, with the same logits."""
+class _RaisesWithTheAdd:
+    """The norm kernel, whose launches with the residual add (ADD) raise: layer 0's norm runs, layer 1's fails."""
+
+    def __getitem__(self, grid):
+        def launch(*args, ADD, **constexprs):
+            if ADD:
+                raise RuntimeError("a launch that fails")
+            return triton_pointwise._rms_kernel_real[grid](*args, ADD=ADD, **constexprs)
+        return launch
+
+
+@pytest.mark.parametrize("failing", ["rms_norm", "add_rms_norm"])
+def test_a_step_whose_first_launch_raises_ends_on_the_other_forms(monkeypatch, caplog, failing):
+    """Layer 0's norm raises (or layer 1's, with the residual add), after the step left its block selection to the
+    kernel (no masks made): the step ends on the PyTorch forms, selection included, with the same logits."""
     paged = PagedModel(load_model(TINY, device=DEVICE), size=1600, max_requests=2)
     prompts = [torch.randint(0, 4000, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (300, 700)]
     kvs = [paged.kv.admit([]) for _ in prompts]
@@ -169,6 +181,7 @@ def test_a_step_whose_first_launch_raises_ends_on_the_other_forms(monkeypatch, c
     want = paged.decode_step(batch)
     monkeypatch.setattr(triton_decode, "_failed", [])
     monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: not triton_decode._failed)
-    monkeypatch.setattr(triton_pointwise, "_rms_kernel", {})  # (its launch raises: a KeyError)
-    torch.testing.assert_close(paged.decode_step(batch), want, atol=1e-4, rtol=1e-4)
-    assert "Triton's rms_norm failed" in caplog.text and triton_decode._failed
+    monkeypatch.setattr(triton_pointwise, "_rms_kernel_real", triton_pointwise._rms_kernel, raising=False)
+    monkeypatch.setattr(triton_pointwise, "_rms_kernel", {} if failing == "rms_norm" else _RaisesWithTheAdd())
+    torch.testing.assert_close(paged.decode_step(batch), want, atol=1e-4, rtol=1e-4)  # ({}: its launch raises)
+    assert f"Triton's {failing} failed" in caplog.text and len(triton_decode._failed) == 1

@@ -76,6 +76,7 @@ def test_route_kernel_equals_the_pytorch_form(experts, k):
     logits, bias = _randn(9, experts, g=g, scale=2.0), _randn(experts, g=g, scale=0.1)
     ids, w = fused.route(logits, bias, k, 2.5)  # (weights scaled: the MoE's gamma)
     want_ids, want_w = layers.route(logits, bias, k, 2.5)
+    torch.testing.assert_close(w.sum(dim=-1), torch.full_like(w[:, 0], 2.5))
     assert torch.equal(ids, want_ids)
     torch.testing.assert_close(w, want_w, atol=1e-6, rtol=1e-6)
     tied, _ = fused.route(torch.zeros(2, experts, device=DEVICE), torch.zeros(experts, device=DEVICE), k, 1.0)

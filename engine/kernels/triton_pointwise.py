@@ -40,7 +40,8 @@ def _rms(x, delta, weight, eps):
     n, x = x.shape[-1], x.contiguous()
     h, out = x if delta is None else torch.empty_like(x), torch.empty_like(x)
     _rms_kernel[(x.numel() // n,)](x, x if delta is None else delta.contiguous(), weight, h, out, n, eps,
-                                   N=triton.next_power_of_2(n), ADD=delta is not None)
+                                   N=(p := triton.next_power_of_2(n)), ADD=delta is not None,
+                                   num_warps=max(4, min(16, p // 1024)))  # (a row's values in registers)
     return h, out
 
 
