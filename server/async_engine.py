@@ -139,12 +139,11 @@ class AsyncEngine:
             work = self.engine.wait_for_work()
             while self._calls:
                 fn, done = self._calls.popleft()
-                if not done.set_running_or_notify_cancel():  # (its caller gave up: not run)
-                    continue
-                try:
-                    done.set_result(fn())
-                except Exception as e:  # noqa: BLE001 - raised in the caller
-                    done.set_exception(e)
+                if done.set_running_or_notify_cancel():  # (else its caller gave up: not run)
+                    try:
+                        done.set_result(fn())
+                    except Exception as e:  # noqa: BLE001 - raised in the caller
+                        done.set_exception(e)
             if not work:
                 continue
             try:

@@ -20,9 +20,11 @@ def _get(d: dict[str, Any], key: str, default: Any) -> Any:
     return default if v is None else v
 
 
-def _check_equal(d: dict[str, Any], field: str, allowed: tuple[Any, ...], default: Any) -> None:
-    value = _get(d, field, default)
-    _require(value in allowed, field, f"only {' or '.join(repr(a) for a in allowed)} is supported, got {value!r}")
+def _check_equal(d: dict[str, Any], **allowed: tuple[Any, ...]) -> None:
+    """Each field named, when set (not null), must hold one of its allowed values."""
+    for field, values in allowed.items():
+        value = _get(d, field, values[0])
+        _require(value in values, field, f"only {' or '.join(repr(a) for a in values)} is supported, got {value!r}")
 
 
 def _per_layer_flags(d: dict[str, Any], field: str, n: int) -> list[bool]:
@@ -35,8 +37,7 @@ def _per_layer_flags(d: dict[str, Any], field: str, n: int) -> list[bool]:
 def _rope(d: dict[str, Any], shape: str, head_dim: int) -> tuple[float, int]:
     rp = d.get("rope_parameters") or {}
     for field, params in (("rope_scaling", d.get("rope_scaling") or {}), ("rope_parameters", rp)):
-        if not isinstance(params, dict):
-            raise ConfigError(f"config field '{field}': must be an object, got {params!r}")
+        _require(isinstance(params, dict), field, f"must be an object, got {params!r}")
         kind = params.get("rope_type", params.get("type", "default"))
         _require(kind in ("default", None), f"{field}.rope_type",
                  f"only plain RoPE is supported, got scaling type {kind!r}")
@@ -82,7 +83,7 @@ def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
     key = "sparse_disable_index_value" if "sparse_disable_index_value" in sc else "sparse_disable_value"
     k_only = _per_layer_flags(sc, key, n)
     if enabled:
-        _check_equal(sc, "sparse_score_type", ("max",), "max")
+        _check_equal(sc, sparse_score_type=("max",))
     block, init = int(_get(sc, "sparse_block_size", 128)), sc.get("sparse_init_block")
     if init is None and sc.get("sparse_init_tokens") is not None:
         init = math.ceil(int(sc["sparse_init_tokens"]) / block)
@@ -123,13 +124,9 @@ def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
         _require(isinstance(d.get(key), int) and d[key] > 0, key, f"required positive integer, got {d.get(key)!r}")
     n, hidden, n_q = d["num_hidden_layers"], d["hidden_size"], d["num_attention_heads"]
     n_kv, head_dim = int(_get(d, "num_key_value_heads", n_q)), int(_get(d, "head_dim", hidden // n_q))
-    _check_equal(d, "use_gemma_norm", (True,), True)
-    _check_equal(d, "qk_norm_type", ("per_head",), "per_head")
-    _check_equal(d, "use_qk_norm", (True,), True)
-    _check_equal(d, "attention_output_gate", (False,), False)
-    _check_equal(d, "hidden_act", ("swigluoai", "silu") if shape == "transformers" else ("swigluoai",), "swigluoai")
-    _check_equal(d, "swiglu_beta", (1, 1.0), 1.0)
-    _check_equal(d, "scoring_func", ("sigmoid",), "sigmoid")
+    acts = ("swigluoai", "silu") if shape == "transformers" else ("swigluoai",)
+    _check_equal(d, use_gemma_norm=(True,), qk_norm_type=("per_head",), use_qk_norm=(True,),
+                 attention_output_gate=(False,), hidden_act=acts, swiglu_beta=(1, 1.0), scoring_func=("sigmoid",))
     theta, rotary = _rope(d, shape, head_dim)
     shared = int(_get(d, "shared_intermediate_size", 3072)) * int(_get(d, "n_shared_experts", 1))
     eos = d.get("eos_token_id", raw.get("eos_token_id"))
@@ -157,7 +154,6 @@ def load_config(model_path: str | Path) -> ModelConfig:
     if not path.is_file():
         raise ConfigError(f"config.json not found at {path}")
     try:
-        raw = json.loads(path.read_text())
+        return config_from_dict(json.loads(path.read_text()))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON: {e}") from e
-    return config_from_dict(raw)

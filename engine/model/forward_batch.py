@@ -1,8 +1,6 @@
 """What one model step computes: an extend (`ForwardBatch`: each request a chunk of tokens, one `Segment`
 each) or a decode step (`DecodeBatch`: one token per request, fixed-shape tensors for eager or captured)."""
 
-from __future__ import annotations
-
 from dataclasses import dataclass, field
 
 import torch
@@ -57,14 +55,13 @@ class ForwardBatch:
 
     @classmethod
     def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,
-              req_to_token: torch.Tensor, device: torch.device) -> ForwardBatch:
+              req_to_token: torch.Tensor, device: torch.device) -> "ForwardBatch":
         """Request i (row rows[i]) feeds new_ids[i] at positions prefix_lens[i]...; `out_cache_loc` is in the table."""
-        ids = [t for x in new_ids for t in x]
-        positions = [p for p0, x in zip(prefix_lens, new_ids) for p in range(p0, p0 + len(x))]
-        segments, start = [], 0
+        ids, positions, segments = [], [], []
         for row, p, x in zip(rows, prefix_lens, new_ids):
-            segments.append(Segment(start, len(x), p, req_to_token[row, : p + len(x)].to(device, torch.int64)))
-            start += len(x)
+            segments.append(Segment(len(ids), len(x), p, req_to_token[row, : p + len(x)].to(device, torch.int64)))
+            ids += x
+            positions += range(p, p + len(x))
         return cls(*(torch.tensor(x, dtype=torch.int64, device=device) for x in (ids, positions)),
                    out_cache_loc.to(device, torch.int64), segments)
 
@@ -81,7 +78,7 @@ class DecodeBatch:
     key_slots: torch.Tensor  # [B, N] int64
 
     @classmethod
-    def empty(cls, rows: int, keys: int, device: torch.device) -> DecodeBatch:
+    def empty(cls, rows: int, keys: int, device: torch.device) -> "DecodeBatch":
         """Padding rows only (position 0, slot 0): what warm-up runs, and CUDA graphs' static inputs."""
         z = torch.zeros(rows, dtype=torch.int64, device=device)
         return cls(z, z.clone(), z.clone(), torch.zeros(rows, keys, dtype=torch.int64, device=device))

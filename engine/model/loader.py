@@ -4,6 +4,7 @@ unexpected, mis-shaped and unsupported (quantized) tensors fail with a message n
 import json
 import logging
 import math
+from functools import cache
 from pathlib import Path
 
 import torch
@@ -34,8 +35,7 @@ def _normalize(key: str) -> str | None:
 
 def _index_files(model_dir: Path) -> dict[str, tuple[Path, str]]:
     """Checkpoint key (normalized) -> (the safetensors file holding it, the key as stored there)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.is_file():
+    if (index := model_dir / "model.safetensors.index.json").is_file():
         files = {k: model_dir / f for k, f in json.loads(index.read_text())["weight_map"].items()}
     else:
         if not (shards := sorted(model_dir.glob("*.safetensors"))):
@@ -53,14 +53,7 @@ def load_weights(model: MiniMaxM3Model, model_dir: Path) -> None:
     """Fill every parameter of `model` from the checkpoint in `model_dir`."""
     available = _index_files(model_dir)
     raw_name = {k: raw for k, (_, raw) in available.items()}
-    handles: dict[Path, object] = {}
-
-    def read(key: str) -> torch.Tensor:
-        path, raw = available[key]
-        if path not in handles:
-            handles[path] = safe_open(str(path), "pt")
-        return handles[path].get_tensor(raw)
-
+    open_file = cache(lambda path: safe_open(str(path), "pt"))  # (each file opened once, when first read)
     params, used, missing = dict(model.named_parameters()), set(), []
     for name, options in recipes(model.cfg).items():
         if (recipe := next((r for r in options if all(k in available for k, _ in r.keys)), None)) is None:
@@ -71,7 +64,7 @@ def load_weights(model: MiniMaxM3Model, model_dir: Path) -> None:
             continue
         tensors = []
         for key, shape in recipe.keys:
-            t = read(key)
+            t = open_file(available[key][0]).get_tensor(raw_name[key])
             if tuple(t.shape) != shape:
                 raise CheckpointError(f"tensor {raw_name[key]!r} has shape {list(t.shape)} but the config implies {list(shape)}")
             tensors.append(t)

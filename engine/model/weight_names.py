@@ -52,8 +52,7 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
         qk = ((f"{a}.q_proj.weight", (cfg.num_heads * d, h)), (f"{a}.k_proj.weight", (cfg.num_kv_heads * d, h)))
         v = ((f"{a}.v_proj.weight", (cfg.num_kv_heads * d, h)),)
         o_main = ((f"{a}.o_proj.weight", (h, cfg.num_heads * d)),)
-        out[f"{ours}.self_attn.q_norm"] = [_single(f"{a}.q_norm.weight", (d,))]
-        out[f"{ours}.self_attn.k_norm"] = [_single(f"{a}.k_norm.weight", (d,))]
+        out.update({f"{ours}.self_attn.{n}_norm": [_single(f"{a}.{n}_norm.weight", (d,))] for n in ("q", "k")})
         if kind == "dense":
             out[f"{ours}.self_attn.qkv_proj"] = [Recipe(qk + v, _rows)]
             out[f"{ours}.self_attn.o_proj"] = [Recipe(o_main, _one)]
@@ -69,8 +68,7 @@ def recipes(cfg: ModelConfig) -> dict[str, list[Recipe]]:
                 out[f"{ours}.self_attn.index_{n}_norm"] = [_single(f"{a}.index_{n}_norm.weight", (di,)),
                                                            _single(f"{a}.indexer.{n}_norm.weight", (di,))]
         if not cfg.moe_layers[i]:
-            for name, rs in _mlp(f"{p}.mlp", h, cfg.dense_intermediate_size).items():
-                out[f"{ours}.mlp.{name}"] = rs
+            out.update({f"{ours}.mlp.{k}": rs for k, rs in _mlp(f"{p}.mlp", h, cfg.dense_intermediate_size).items()})
             continue
         e, inter, m, b = cfg.num_experts, cfg.intermediate_size, f"{p}.mlp", f"{p}.block_sparse_moe"
         out[f"{ours}.mlp.router"] = [_single(f"{b}.gate.weight", (e, h)), _single(f"{m}.gate.weight", (e, h))]

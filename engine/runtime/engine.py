@@ -65,19 +65,17 @@ class Engine:
         cache is on. NOTE: built here, not by the caller, so only the engine thread runs torch."""
         n, parent = r.params.n, None
         if n > 1 and not self.args.disable_radix_cache:
-            parent = self._make_req(f"{rid}__prefill", r, replace(r.params, max_new_tokens=0, n=1), hidden=True)
-            self._scheduler.add(parent)
+            parent = self._queue(f"{rid}__prefill", r, replace(r.params, max_new_tokens=0, n=1), hidden=True)
         for i in range(n):
             seed = None if r.params.sampling_seed is None else r.params.sampling_seed + i
-            req = self._make_req(rid if n == 1 else f"{rid}_{i}", r, replace(r.params, n=1, sampling_seed=seed))
-            req.depends_on = parent
-            self._scheduler.add(req)
+            self._queue(rid if n == 1 else f"{rid}_{i}", r, replace(r.params, n=1, sampling_seed=seed), parent)
 
-    def _make_req(self, rid: str, r: NewRequest, params, hidden: bool = False) -> Req:
+    def _queue(self, rid: str, r: NewRequest, params, parent: Req | None = None, hidden: bool = False) -> Req:
         seed = self._seeds.getrandbits(62) if params.sampling_seed is None else params.sampling_seed
         stop = StopChecker(params, self.eos_ids, self.tokenizer, r.prompt_ids, self.max_total_len)
         logprob = r.logprob if not hidden else type(r.logprob)()
-        return Req(rid, list(r.prompt_ids), params, logprob, seed, stop, hidden=hidden)
+        self._scheduler.add(req := Req(rid, list(r.prompt_ids), params, logprob, seed, stop, parent, hidden))
+        return req
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         with self._cond:

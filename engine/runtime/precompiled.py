@@ -38,10 +38,7 @@ def graph_key(kind: str, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool) -> st
              repr([(tuple(t.shape), t.dtype) for sub in pool.sub_pools() for t in sub.tensors()])]
     files = sorted(f for s in _SOURCES for f in ([_ROOT / s] if s.endswith(".py") else (_ROOT / s).glob("*.[pch]*"))
                    if f.suffix in (".py", ".c", ".h"))
-    h = hashlib.sha256("\0".join(facts).encode())
-    for f in files:
-        h.update(f.read_bytes())
-    return h.hexdigest()[:20]
+    return hashlib.sha256("\0".join(facts).encode() + b"".join(f.read_bytes() for f in files)).hexdigest()[:20]
 
 
 class PrecompiledStep:

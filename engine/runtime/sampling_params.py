@@ -109,9 +109,8 @@ class SamplingParams:
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}.")
         names = [f.name for f in fields(cls)]
-        for key in d:
-            if key not in names:
-                raise ValueError(f"unknown sampling parameter {key!r}; valid parameters are: {', '.join(names)}")
+        if unknown := [key for key in d if key not in names]:
+            raise ValueError(f"unknown sampling parameter {unknown[0]!r}; valid parameters are: {', '.join(names)}")
         return cls(**{k: None if v is None else _coerce(k, v) for k, v in d.items()
                       if v is not None or k == "max_new_tokens"})
 
@@ -141,9 +140,8 @@ class SamplingParams:
                 raise ValueError(f"logit_bias values must be finite numbers, got {bias} for key {key}.")
         if sum(g is not None for g in (self.json_schema, self.regex, self.ebnf)) > 1:
             raise ValueError("Only one of regex, json_schema, or ebnf can be set.")
-        for tok in sorted(self.stop_token_ids):
-            if not 0 <= tok < vocab_size:
-                raise ValueError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {tok}.")
+        if (bad := min((t for t in self.stop_token_ids if not 0 <= t < vocab_size), default=None)) is not None:
+            raise ValueError(f"stop_token_ids must be in [0, {vocab_size - 1}], got {bad}.")
         if any(not s for s in self.stop):  # "" is in every text: it would stop at the first token
             raise ValueError("stop cannot contain an empty string.")
         for pattern in self.stop_regex:

@@ -75,11 +75,10 @@ class Scheduler:
 
     def _admit(self, req: Req) -> None:
         """A row and cached prefix for a request: a token at least is computed (logits), and every prompt logprob's."""
-        ids, lp = req.all_ids, req.logprob
-        limit = len(ids) - 1
+        lp, limit = req.logprob, len(req.prompt_ids) + len(req.output_ids) - 1
         if lp.return_logprob and lp.logprob_start_len >= 0 and not req.prompt_logprobs_done:
             limit = min(limit, max(lp.logprob_start_len - 1, 0))
-        req.kv = self.kv.admit(ids[:limit])
+        req.kv = self.kv.admit(req.ids(0, limit))
         if req.num_retractions == 0:
             req.cached_tokens = req.kv.cached
 
