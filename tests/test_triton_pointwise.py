@@ -16,6 +16,7 @@ from engine.kernels import triton_pointwise as fused
 from engine.model import layers
 from engine.model.indexer import block_masks, select_blocks
 from engine.runtime import sampler
+from mem_cache import kv_pool
 from tests.engine_utils import make_engine, run_all, submit
 from tests.test_layers import _moe, _moe_reference
 
@@ -68,6 +69,20 @@ def test_swiglu_kernel_equals_the_pytorch_form(dtype, inter):
     g = torch.Generator().manual_seed(2)
     gate_up = _randn(4, 2, 2 * inter, g=g, scale=5.0, dtype=dtype)  # (values past the limit, +-7, on both halves)
     _close(fused.swiglu_oai(gate_up, 1.702, 7.0), layers.swiglu_oai(gate_up, 1.702, 7.0), dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,d", [(2, 32), (1, 96), (4, 512)])  # (4 x 512: two tiles a row)
+def test_write_kernel_equals_the_pools_writer(dtype, heads, d):
+    """K and V rows [T, heads, d] (V's rows strided, as a slice of the fused projection) written at slots `loc`."""
+    g = torch.Generator().manual_seed(6)
+    k, v = _randn(5, heads, d, g=g, dtype=dtype), _randn(5, heads * d + 40, g=g, dtype=dtype)[:, 8:8 + heads * d]
+    loc = torch.tensor([7, 2, 9, 4, 1], device=DEVICE)
+    got = [_randn(12, heads, d, g=g, dtype=dtype) for _ in range(2)]
+    want = [b.clone() for b in got]
+    fused.write_rows(*got, loc, k, v.view(5, heads, d))
+    kv_pool.write_rows(*want, loc, k, v.view(5, heads, d))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @pytest.mark.parametrize("experts,k", [(8, 2), (64, 4), (256, 8), (48, 6)])

@@ -1,8 +1,8 @@
-"""The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
-each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
-8, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, the race 34): a bf16 tiny decode step 559 -> 168 kernels
-with triton_indexer's. Each computes in float32, rounding once. Callers ask `serves`; their forms serve elsewhere, and
-for good after a failure."""
+"""The decoder's pointwise chains, the MoE's routing and experts, the pools' K and V writes and the sampler's race on
+CUDA as Triton kernels, one each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it,
+q with k normed and rotated 8, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, K and V rows 2, the race
+34): a bf16 tiny decode step 559 -> 157 kernels with triton_indexer's. Each computes in float32, rounding once.
+Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
 
@@ -10,6 +10,7 @@ import torch
 
 from engine.kernels import triton_decode
 from engine.kernels.triton_decode import kernel_op, tl, triton
+from mem_cache import kv_pool
 
 
 def serves(x: torch.Tensor, *dims: int) -> bool:
@@ -89,6 +90,20 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
                                                     num_warps=8)
     _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, out, h, i, K=k, BO=32, BI=128, num_warps=8)
     return out
+
+
+def write_kv(k_buf, v_buf, loc, k, v) -> None:
+    """The pools' writer (MiniMaxSparseKVPool.use_writer): `write_rows` where the kernels serve, else kv_pool's."""
+    (write_rows if serves(k) else kv_pool.write_rows)(k_buf, v_buf, loc, k, v)
+
+
+@_op("(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor k, Tensor v) -> ()", fake=lambda *_: None,
+     forms="mem_cache.kv_pool")
+def write_rows(k_buf, v_buf, loc, k, v):
+    """kv_pool.write_rows of rows k, v [T, heads, d] (strided rows) at once: a program a token (SGLang's store)."""
+    t, n = loc.numel(), k_buf[0].numel()
+    k, v = k.reshape(t, n), v.reshape(t, n)
+    _write_kernel[(t,)](k_buf, v_buf, loc, k, v, k.stride(0), v.stride(0), n, BLOCK=min(1024, triton.next_power_of_2(n)))
 
 
 @_op("(Tensor x, Tensor seeds, Tensor positions, Tensor greedy, Tensor temperature, Tensor tokens) -> Tensor",
@@ -192,6 +207,15 @@ if triton is not None:
                 y += tl.sum(wv.to(tl.float32) * av, 1)
             total += tl.load(w + t * K + s).to(tl.float32) * y
         tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)
+
+    @triton.jit
+    def _write_kernel(k_buf, v_buf, loc, k, v, k_stride, v_stride, n, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        at = tl.load(loc + t).to(tl.int64) * n
+        for start in range(0, n, BLOCK):
+            c = start + tl.arange(0, BLOCK)
+            tl.store(k_buf + at + c, tl.load(k + t * k_stride + c, mask=c < n), mask=c < n)
+            tl.store(v_buf + at + c, tl.load(v + t * v_stride + c, mask=c < n), mask=c < n)
 
     @triton.jit
     def _race_kernel(x, seeds, positions, greedy, temperature, t_stride, tokens, out, v, BLOCK: tl.constexpr):
