@@ -109,7 +109,6 @@ def finish_fields(reason: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def token_text(tok: Tokenizer, token_id: int) -> str:
-    """The text of one token as logprobs show it (special tokens kept)."""
     return tok.decode([token_id], skip_special_tokens=False)
 
 

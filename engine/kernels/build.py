@@ -45,7 +45,6 @@ def cpu() -> str:
 
 
 def library(source: Path, defines: tuple[str, ...] = ()) -> Path:
-    """Where the library built from `source` with `defines` for this CPU lies in the cache (or will)."""
     texts = [f.read_text() for f in (source, *sorted(source.parent.glob("*.h")))]  # (the headers it may include)
     facts = (*texts, os.environ.get("CC", "gcc"), *FLAGS, *defines, *LINK, *LIBS, cpu())
     return cache_dir() / f"{source.stem}-{hashlib.sha256(chr(0).join(facts).encode()).hexdigest()[:16]}.so"

@@ -20,14 +20,12 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (moe_experts.c, built) with its function's argument types set."""
     lib.moe_experts.restype = ctypes.c_int64
     lib.moe_experts.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 5 + [ctypes.c_float] * 2
     return lib
 
 
 def on_kernel(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
-    """Whether `moe_experts` runs here: CPU, float32, hidden and intermediate sizes multiples of build.WIDEST, built."""
     return (all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (x, w13, w2))
             and w2.shape[1] % build.WIDEST == 0 and w2.shape[2] % build.WIDEST == 0 and built())
 

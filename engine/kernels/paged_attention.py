@@ -22,7 +22,6 @@ def kernel() -> ctypes.CDLL | None:
 
 
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
-    """`lib` (paged_attention.c, built) with its functions' argument types set."""
     p, i, f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
     lib.paged_decode_attention.restype = lib.paged_block_attention.restype = i
     lib.paged_decode_attention.argtypes = [p] * 6 + [i] * 6 + [f, i]
@@ -58,7 +57,6 @@ def paged_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, r
 
 def gather_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, rows: torch.Tensor, keep: torch.Tensor,
                 scale: float) -> torch.Tensor:
-    """The keys and values gathered (copies), then SDPA (any device and dtype) over the kept keys."""
     d = q.shape[-1]
     k, v = (buf.view(-1, d).index_select(0, rows.flatten()).view(*rows.shape, d) for buf in (k_buf, v_buf))
     return F.scaled_dot_product_attention(q, k, v, attn_mask=keep, scale=scale)

@@ -36,8 +36,7 @@ SUM_PIECE = 64
 
 
 def graph_buckets(args: EngineArgs, device: torch.device) -> tuple[int, ...]:
-    """The batch sizes to capture: --cuda-graph-bs, else the default list up to --cuda-graph-max-bs
-    (default: --max-running-requests, at most CPU_MAX_BS on CPU)."""
+    """The batch sizes to capture: --cuda-graph-bs, else the default list up to --cuda-graph-max-bs."""
     if args.cuda_graph_bs:
         return tuple(sorted(set(args.cuda_graph_bs)))
     top = args.cuda_graph_max_bs or min(args.max_running_requests, CPU_MAX_BS if device.type == "cpu" else 256)
@@ -121,7 +120,6 @@ class DecodeGraphs:
         self._compiles_at_warm_up = _compiles()
 
     def run(self, batch: DecodeBatch) -> torch.Tensor:
-        """Logits of every row: through the bucket's graph when there is one, else eager."""
         (rows, width), cuda = batch.key_slots.shape, self.device.type == "cuda"
         b, keys = self.bucket(rows), next((k for k in self.key_buckets if k >= width), width)
         if b is None or b not in self._compiled or (cuda and (b, keys) not in self._cuda.graphs):
@@ -156,7 +154,6 @@ def _compiles() -> int:
 
 
 def _marked(batch: DecodeBatch) -> DecodeBatch:
-    """`batch` with its dynamic dimensions marked for the compiler: the key length, and the rows past batch 1."""
     torch._dynamo.mark_dynamic(batch.key_slots, 1)
     if batch.input_ids.shape[0] > 1:
         for t in (batch.input_ids, batch.positions, batch.out_cache_loc, batch.key_slots):
@@ -165,7 +162,6 @@ def _marked(batch: DecodeBatch) -> DecodeBatch:
 
 
 def pad(batch: DecodeBatch, rows: int) -> DecodeBatch:
-    """`batch` with padding rows (`DecodeBatch.empty`'s) appended up to `rows`."""
     if (extra := rows - batch.input_ids.shape[0]) == 0:
         return batch
     z = DecodeBatch.empty(extra, batch.key_slots.shape[1], batch.input_ids.device)

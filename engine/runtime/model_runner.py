@@ -17,8 +17,7 @@ assert KEY_BUCKET % SUM_PIECE == 0  # (decode key tables are padded to a multipl
 class ModelRunner:
     def __init__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, args: EngineArgs, max_keys: int) -> None:
         self.model, self.pool, c = model, pool, model.cfg
-        p = next(model.parameters())
-        self.device, self.dtype = p.device, p.dtype
+        self.device = next(model.parameters()).device
         # NOTE: decode keys span at least K + 1 blocks, so a graph always sees more blocks than it selects, and
         # at least two SUM_PIECEs, in whole KEY_BUCKETs: no shape-specialized branch, no recompile as a context grows.
         least = max((c.topk_blocks + 1) * c.block_size if c.any_sparse else 0, 2 * SUM_PIECE)

@@ -13,12 +13,11 @@ class RidTable:
         taken = [r for r in rids if r in self.live or r in self.member]
         if taken or len(set(rids)) < len(rids):
             raise ValueError(f"Duplicate request ID: {taken[0] if taken else rids}.")
-        out = []
-        for rid, n in zip(rids, ns):
-            out.append([rid] if n == 1 else [f"{rid}_{i}" for i in range(n)])
-            self.live.update(out[-1])
+        out = [[rid] if n == 1 else [f"{rid}_{i}" for i in range(n)] for rid, n in zip(rids, ns)]
+        for rid, n, samples in zip(rids, ns, out):
+            self.live.update(samples)
             if n > 1:
-                self.group[rid] = out[-1] + [f"{rid}__prefill"]
+                self.group[rid] = samples + [f"{rid}__prefill"]
                 self.member.update({s: rid for s in self.group[rid]})
         return out
 

@@ -136,7 +136,6 @@ class IncrementalDetokenizer:
         return full_text[len(prefix_text) :]
 
     def add(self, new_ids: list[int]) -> str:
-        """Append ids; return the newly completed text (possibly empty)."""
         self._ids.extend(new_ids)
         return self._delta(final=False)
 
