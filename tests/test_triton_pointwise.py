@@ -74,10 +74,11 @@ def test_swiglu_kernel_equals_the_pytorch_form(dtype, inter):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,d", [(2, 32), (1, 96), (4, 512)])  # (4 x 512: two tiles a row)
 def test_write_kernel_equals_the_pools_writer(dtype, heads, d):
-    """K and V rows [T, heads, d] (V's rows strided, as a slice of the fused projection) written at slots `loc`."""
+    """K and V rows [T, heads, d] (V's rows strided, as a slice of the fused projection; K column-major) written at
+    slots `loc` (every other entry of a longer vector)."""
     g = torch.Generator().manual_seed(6)
-    k, v = _randn(5, heads, d, g=g, dtype=dtype), _randn(5, heads * d + 40, g=g, dtype=dtype)[:, 8:8 + heads * d]
-    loc = torch.tensor([7, 2, 9, 4, 1], device=DEVICE)
+    k, v = _randn(heads * d, 5, g=g, dtype=dtype).t().view(5, heads, d), _randn(5, heads * d + 40, g=g, dtype=dtype)
+    v, loc = v[:, 8:8 + heads * d], torch.tensor([7, 0, 2, 0, 9, 0, 4, 0, 1], device=DEVICE)[::2]
     got = [_randn(12, heads, d, g=g, dtype=dtype) for _ in range(2)]
     want = [b.clone() for b in got]
     fused.write_rows(*got, loc, k, v.view(5, heads, d))

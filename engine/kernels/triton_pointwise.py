@@ -102,8 +102,9 @@ def write_kv(k_buf, v_buf, loc, k, v) -> None:
 def write_rows(k_buf, v_buf, loc, k, v):
     """kv_pool.write_rows of rows k, v [T, heads, d] (strided rows) at once: a program a token (SGLang's store)."""
     t, n = loc.numel(), k_buf[0].numel()
-    k, v = k.reshape(t, n), v.reshape(t, n)
-    _write_kernel[(t,)](k_buf, v_buf, loc, k, v, k.stride(0), v.stride(0), n, BLOCK=min(1024, triton.next_power_of_2(n)))
+    k, v = (x if x.stride(1) == 1 else x.contiguous() for x in (k.reshape(t, n), v.reshape(t, n)))
+    _write_kernel[(t,)](k_buf, v_buf, loc.contiguous(), k, v, k.stride(0), v.stride(0), n,
+                        BLOCK=min(1024, triton.next_power_of_2(n)))
 
 
 @_op("(Tensor x, Tensor seeds, Tensor positions, Tensor greedy, Tensor temperature, Tensor tokens) -> Tensor",

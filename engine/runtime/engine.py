@@ -74,7 +74,8 @@ class Engine:
         seed = self._seeds.getrandbits(62) if params.sampling_seed is None else params.sampling_seed
         stop = StopChecker(params, self.eos_ids, self.tokenizer, r.prompt_ids, self.max_total_len)
         logprob = r.logprob if not hidden else type(r.logprob)()
-        self._scheduler.add(req := Req(rid, list(r.prompt_ids), params, logprob, seed, stop, parent, hidden))
+        self._scheduler.add(req := Req(rid, list(r.prompt_ids), params, logprob, seed, stop, depends_on=parent,
+                                       hidden=hidden))
         return req
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:

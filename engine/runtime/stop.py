@@ -37,12 +37,14 @@ class StopChecker:
                 self._add(self._decode(token))
             return self.finish({"type": "stop", "matched": token})
         delta = self._decode(token)
-        buf = self._held + delta
-        if min_reached and (hits := [(pos, s) for s in self.stops if (pos := buf.find(s)) >= 0]):
-            pos, s = min(hits)
-            self._released.append(buf[: pos + (len(s) if self.params.no_stop_trim else 0)])
-            self._held, self.done = "", True
-            return {"type": "stop", "matched": s}
+        if min_reached and self.stops:
+            buf = self._held + delta
+            hits = [(pos, s) for s in self.stops if (pos := buf.find(s)) >= 0]
+            if hits:
+                pos, s = min(hits)
+                self._released.append(buf[: pos + (len(s) if self.params.no_stop_trim else 0)])
+                self._held, self.done = "", True
+                return {"type": "stop", "matched": s}
         self._add(delta)
         # (n_out is max_new_tokens when that is what ends it)
         return self.finish({"type": "length", "length": n_out}) if self.at_length(n_out, n_total - n_out) else None
@@ -65,8 +67,11 @@ class StopChecker:
 
     def _add(self, delta: str) -> None:
         """Append decoded text, releasing all but the longest suffix that begins a stop string."""
-        buf = self._held + delta
-        hold = max((k for s in self.stops for k in range(1, min(len(s), len(buf) + 1)) if buf.endswith(s[:k])),
-                   default=0)
+        buf, hold = self._held + delta, 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(buf)), hold, -1):
+                if buf.endswith(s[:k]):
+                    hold = k
+                    break
         self._released.append(buf[: len(buf) - hold])
         self._held = buf[len(buf) - hold:]
