@@ -90,9 +90,11 @@ class DiskStore:
 
     def keys(self, tokens: list[int]) -> list[bytes]:
         """The name of each whole page of `tokens`."""
-        key = self.seed
-        return [key := hashlib.sha256(key + torch.tensor(tokens[p * PAGE:(p + 1) * PAGE]).numpy().tobytes()).digest()
-                for p in range(len(tokens) // PAGE)]
+        key, out = self.seed, []
+        for p in range(len(tokens) // PAGE):
+            key = hashlib.sha256(key + torch.tensor(tokens[p * PAGE:(p + 1) * PAGE]).numpy().tobytes()).digest()
+            out.append(key)
+        return out
 
     def write(self, tokens: list[int], host_slots: torch.Tensor) -> int:
         """Write the whole pages of `tokens` (their KV in `host_slots`) not written yet; the bytes written."""

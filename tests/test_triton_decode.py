@@ -162,11 +162,14 @@ def test_a_kernel_that_raises_leaves_the_other_forms_serving(monkeypatch, caplog
 class _RaisesWithTheAdd:
     """The norm kernel, whose launches with the residual add (ADD) raise: layer 0's norm runs, layer 1's fails."""
 
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+
     def __getitem__(self, grid):
         def launch(*args, ADD, **constexprs):
             if ADD:
                 raise RuntimeError("a launch that fails")
-            return triton_pointwise._rms_kernel_real[grid](*args, ADD=ADD, **constexprs)
+            return self.kernel[grid](*args, ADD=ADD, **constexprs)
         return launch
 
 
@@ -181,7 +184,7 @@ def test_a_step_whose_first_launch_raises_ends_on_the_other_forms(monkeypatch, c
     want = paged.decode_step(batch)
     monkeypatch.setattr(triton_decode, "_failed", [])
     monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: not triton_decode._failed)
-    monkeypatch.setattr(triton_pointwise, "_rms_kernel_real", triton_pointwise._rms_kernel, raising=False)
-    monkeypatch.setattr(triton_pointwise, "_rms_kernel", {} if failing == "rms_norm" else _RaisesWithTheAdd())
+    failing_kernel = {} if failing == "rms_norm" else _RaisesWithTheAdd(triton_pointwise._rms_kernel)
+    monkeypatch.setattr(triton_pointwise, "_rms_kernel", failing_kernel)
     torch.testing.assert_close(paged.decode_step(batch), want, atol=1e-4, rtol=1e-4)  # ({}: its launch raises)
     assert f"Triton's {failing} failed" in caplog.text and len(triton_decode._failed) == 1

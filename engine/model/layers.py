@@ -52,8 +52,9 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return add_rms_norm(x, delta, self.weight, self.eps)
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its norm); where delta is None (the first layer's), (x, its norm)."""
+        return (x, self(x)) if delta is None else add_rms_norm(x, delta, self.weight, self.eps)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:

@@ -61,7 +61,7 @@ class DecoderLayer(nn.Module):
                 batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual stream x + delta (delta: the last layer's MLP output, None at the first layer, added here with
         the norm after it) -> (the stream with this layer's attention output added, this layer's MLP output)."""
-        x, n = (x, self.input_layernorm(x)) if delta is None else self.input_layernorm.add(x, delta)
+        x, n = self.input_layernorm.add(x, delta)
         h, n = self.post_attention_layernorm.add(x, self.self_attn(n, rot, masks, batch, pool))
         return h, self.mlp(n)
 
