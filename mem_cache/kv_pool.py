@@ -14,18 +14,11 @@ def check_layer_id(layer_id: int, num_layers: int, where: str = "", global_ids: 
                        f"global layers {global_ids})")
 
 
-def write_rows(k_buf: torch.Tensor, v_buf: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-    """k_buf[loc] = k, v_buf[loc] = v (rows), in place: `set_kv_buffer`'s writer unless a pool is given another."""
-    k_buf.index_copy_(0, loc, k)
-    v_buf.index_copy_(0, loc, v)
-
-
 class MHATokenToKVPool:
     """Per local layer a K and (`has_value_buffer`) a V buffer `[size + 1, head_num, head_dim]`, zeroed, row 0 the
     padding slot. `layer_id` arguments are LOCAL ids; `global_layer_ids[local]` is the model layer."""
 
     has_value_buffer: bool = True
-    writer = staticmethod(write_rows)  # (MiniMaxSparseKVPool.use_writer: one kernel on CUDA)
 
     def __init__(self, size: int, dtype: torch.dtype, head_num: int, head_dim: int, layer_num: int,
                  device: str | torch.device = "cpu", name: str = "main_pool",
@@ -73,8 +66,8 @@ class MHATokenToKVPool:
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write K and V rows `loc` of local layer `layer_id` (cast to the pool dtype), in place."""
         self.check_layer(layer_id)
-        self.writer(self.k_buffer[layer_id], self.v_buffer[layer_id], loc, self._rows(loc, cache_k, "cache_k"),
-                    self._rows(loc, cache_v, "cache_v"))
+        self.k_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_k, "cache_k"))
+        self.v_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_v, "cache_v"))
 
     def tensors(self) -> list[torch.Tensor]:
         return [*self.k_buffer, *getattr(self, "v_buffer", [])]

@@ -1,6 +1,6 @@
 """`MiniMaxSparseKVPool`: the parent KV pool every caller talks to (main + index-KV + index-K-only)."""
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -42,11 +42,6 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
                             (self.index_k_pool, ("index_key",))):
             for local, layer in enumerate(pool.global_layer_ids if pool is not None else []):
                 self._routes[layer] |= dict.fromkeys(names, BufferLocation(pool, local))
-
-    def use_writer(self, writer: Callable[..., None]) -> None:
-        """Every K+V write by `writer(k_buf, v_buf, loc, k, v)` (kv_pool.write_rows' contract; CUDA: one kernel)."""
-        for pool in self.sub_pools():
-            pool.writer = writer
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.main_pool.get_key_buffer(layer_id)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import triton_pointwise
 from engine.model.forward_batch import DecodeBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.decode_graph import decode_step
@@ -21,7 +20,6 @@ class PagedModel:
         c, p = model.cfg, next(model.parameters())
         self.pool = MiniMaxSparseKVPool(size, p.dtype, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
                                         c.index_head_dim, p.device)
-        self.pool.use_writer(triton_pointwise.write_kv)  # (as the engine's: setup.py)
         self.kv = KVCacheManager(size, max_requests, c.max_position_embeddings, p.device, disable_radix_cache=True)
         args = EngineArgs(disable_cuda_graph=not graph_buckets, cuda_graph_bs=graph_buckets)
         self.runner = ModelRunner(model, self.pool, args, min(size, c.max_position_embeddings))

@@ -30,6 +30,9 @@ def test_invalid_params_are_rejected_at_submission(engine):
         engine.add_requests([NewRequest(PROMPT, SamplingParams(), LogprobOptions(True, logprob_start_len=len(PROMPT)))])
     with pytest.raises(ValueError, match="context length"):
         submit(engine, [7] * engine.context_len)
+    too_long = engine.cfg.max_position_embeddings + 1  # (a position past the model's has no rotation: refused at start)
+    with pytest.raises(ValueError, match=f"context_length {too_long} is longer than the model's max_position_emb"):
+        make_engine(context_length=too_long)
 
 
 def test_top_k_1_equals_greedy(engine):

@@ -22,7 +22,6 @@ from mem_cache import (
     ReqToTokenPool,
     TokenSlotAllocator,
 )
-from mem_cache.kv_pool import write_rows
 
 KINDS = [
     "dense",
@@ -216,20 +215,6 @@ def test_set_get_round_trips_touch_only_their_rows(pool: MiniMaxSparseKVPool) ->
     assert k6 is pool.get_index_k_buffer(4) and v6 is pool.get_index_v_buffer(4)
     assert pool.get_index_k_buffer(7) is pool.index_k_pool.get_key_buffer(2)  # type: ignore[union-attr]
     assert pool.get_kv_buffer(3)[1] is pool.get_value_buffer(3)
-
-
-def test_a_writer_given_to_the_pool_writes_each_k_and_v(pool: MiniMaxSparseKVPool) -> None:
-    """`use_writer` (CUDA: one kernel for a token's K and V): set_kv_buffer and set_index_kv_buffer write through it,
-    with their buffers and rows; a K-only write does not."""
-    calls: list[tuple] = []
-    pool.use_writer(lambda *a: (calls.append(a), write_rows(*a)))
-    loc, one = torch.tensor([3, 9]), torch.ones(2, 1, DI)
-    pool.set_kv_buffer(1, loc, torch.ones(2, H, D), torch.full((2, H, D), 2.0))
-    pool.set_index_kv_buffer(4, loc, one, 3 * one)
-    pool.set_index_k_buffer(5, loc, 4 * one)
-    assert [(k_buf, v_buf) for k_buf, v_buf, *_ in calls] == [pool.get_kv_buffer(1), pool.get_index_kv_buffer(4)]
-    assert float(pool.get_value_buffer(1)[9].mean()) == 2 and float(pool.get_index_v_buffer(4)[3].mean()) == 3
-    assert float(pool.get_index_k_buffer(5)[9].mean()) == 4 and pool.check_integrity()
 
 
 def test_no_sparse_layers_means_no_index_pools() -> None:

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is 
 ROOT = Path(__file__).resolve().parents[1]
 KERNELS = {"_attend_kernel", "_combine_kernel", "_block_kernel", "_scores_kernel", "_select_kernel", "_rms_kernel",
            "_norm_rope_kernel", "_swiglu_kernel", "_route_kernel", "_experts_up_kernel", "_experts_down_kernel",
-           "_race_kernel", "_write_kernel"}
+           "_race_kernel"}
 
 
 def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():

@@ -16,7 +16,6 @@ from engine.kernels import triton_pointwise as fused
 from engine.model import layers
 from engine.model.indexer import block_masks, select_blocks
 from engine.runtime import sampler
-from mem_cache import kv_pool
 from tests.engine_utils import make_engine, run_all, submit
 from tests.test_layers import _moe, _moe_reference
 
@@ -72,18 +71,27 @@ def test_swiglu_kernel_equals_the_pytorch_form(dtype, inter):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,d", [(2, 32), (1, 96), (4, 512)])  # (4 x 512: two tiles a row)
-def test_write_kernel_equals_the_pools_writer(dtype, heads, d):
-    """K and V rows [T, heads, d] (V's rows strided, as a slice of the fused projection; K column-major) written at
-    slots `loc` (every other entry of a longer vector)."""
+@pytest.mark.parametrize("heads,first,d,values", [(10, 8, 32, 2), (3, 2, 32, 1), (3, 2, 32, 0), (20, 16, 128, 4),
+                                                  (6, 4, 64, 20)])  # (20 x 64 values: two tiles a row)
+def test_norm_rope_kernel_writes_keys_and_values_as_the_pytorch_form(dtype, heads, first, d, values):
+    """With a layer's buffers: the keys (heads >= first) at rows `loc` (every other entry of a longer vector) of k_buf,
+    and the values (a strided slice, as of the fused projection; none for a K-only layer) at v_buf's; no other row
+    touched."""
     g = torch.Generator().manual_seed(6)
-    k, v = _randn(heads * d, 5, g=g, dtype=dtype).t().view(5, heads, d), _randn(5, heads * d + 40, g=g, dtype=dtype)
-    v, loc = v[:, 8:8 + heads * d], torch.tensor([7, 0, 2, 0, 9, 0, 4, 0, 1], device=DEVICE)[::2]
-    got = [_randn(12, heads, d, g=g, dtype=dtype) for _ in range(2)]
-    want = [b.clone() for b in got]
-    fused.write_rows(*got, loc, k, v.view(5, heads, d))
-    kv_pool.write_rows(*want, loc, k, v.view(5, heads, d))
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    y = _randn(5, heads * d + 40, g=g, scale=2.0, dtype=dtype)[:, :heads * d]
+    w1, w2 = _randn(d, g=g, scale=0.3, dtype=dtype), _randn(d, g=g, scale=0.3, dtype=dtype)
+    rot = layers.rope_rotation(torch.randint(0, 60000, (5,), generator=g).to(DEVICE),
+                               layers.rope_inv_freq(d // 2, 1e6).to(DEVICE), dtype)
+    v = _randn(5, values * d + 24, g=g, dtype=dtype)[:, 8:8 + values * d].view(5, values, d) if values else None
+    loc = torch.tensor([7, 0, 2, 0, 9, 0, 4, 0, 1], device=DEVICE)[::2]
+    got = [_randn(12, heads - first, d, g=g, dtype=dtype)] + ([_randn(12, values, d, g=g, dtype=dtype)] if values
+                                                               else [None])
+    want = [None if b is None else b.clone() for b in got]
+    _close(fused.norm_rope(y, w1, w2, first, rot, 1e-6, *got, loc, v),
+           layers.norm_rope(y, w1, w2, first, rot, 1e-6, *want, loc, v), dtype)
+    _close(got[0], want[0], dtype)
+    others = [i for i in range(12) if i not in loc.tolist()]
+    assert torch.equal(got[0][others], want[0][others]) and (not values or torch.equal(got[1], want[1]))
 
 
 @pytest.mark.parametrize("experts,k", [(8, 2), (64, 4), (256, 8), (48, 6)])

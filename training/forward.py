@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.indexer import block_masks, block_scores, select_blocks
-from engine.model.layers import MoE, apply_rope, rms_norm, rope_rotation
+from engine.model.layers import MoE, apply_rope, rms_norm
 from engine.model.model import Attention, MiniMaxM3Model
 
 NEG_INF = float("-inf")
@@ -47,7 +47,7 @@ def _forward(model: MiniMaxM3Model, ids: torch.Tensor, indexer_loss: bool, index
     b, t = ids.shape
     aux = Aux()
     x = model.embed_tokens(ids).view(b * t, -1)
-    rot = rope_rotation(torch.arange(t, device=ids.device).repeat(b), model.inv_freq, x.dtype)
+    rot = model.rope_table[torch.arange(t, device=ids.device).repeat(b)].to(x.dtype)
     causal = torch.ones(t, t, dtype=torch.bool, device=ids.device).tril()
     for layer in model.layers:
         y = layer.input_layernorm(x)

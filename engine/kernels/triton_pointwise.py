@@ -1,7 +1,7 @@
-"""The decoder's pointwise chains, the MoE's routing and experts, the pools' K and V writes and the sampler's race on
-CUDA as Triton kernels, one each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it,
-q with k normed and rotated 8, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, K and V rows 2, the race
-34): a bf16 tiny decode step 559 -> 157 kernels with triton_indexer's. Each computes in float32, rounding once.
+"""The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
+each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
+and k and v written to the pool 10, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, the race 34): a bf16
+tiny decode step 559 -> 137 kernels with triton_indexer's. Each computes in float32, rounding once.
 Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
@@ -10,7 +10,6 @@ import torch
 
 from engine.kernels import triton_decode
 from engine.kernels.triton_decode import kernel_op, tl, triton
-from mem_cache import kv_pool
 
 
 def serves(x: torch.Tensor, *dims: int) -> bool:
@@ -46,16 +45,20 @@ def _rms(x, delta, weight, eps):
     return h, out
 
 
-@_op("(Tensor y, Tensor w1, Tensor w2, int first, Tensor rot, float eps) -> Tensor",
+@_op("(Tensor y, Tensor w1, Tensor w2, int first, Tensor rot, float eps, Tensor(a!)? k_buf=None, "
+     "Tensor(b!)? v_buf=None, Tensor? loc=None, Tensor? v=None) -> Tensor",
      fake=lambda y, w1, *_: y.new_empty(y.shape[0], y.shape[1] // w1.shape[0], w1.shape[0]))
-def norm_rope(y, w1, w2, first, rot, eps):
-    """layers.norm_rope (y's rows may be strided)."""
+def norm_rope(y, w1, w2, first, rot, eps, k_buf=None, v_buf=None, loc=None, v=None):
+    """layers.norm_rope (y's and v's rows may be strided): a program a token's heads, the first also copying v."""
     (t, width), d = y.shape, w1.shape[0]
     y = y if y.stride(1) == 1 else y.contiguous()
-    out = torch.empty(t, width // d, d, dtype=y.dtype, device=y.device)
+    v = y[:, :0] if v is None else v.flatten(1)  # (no values: none to copy)
+    v, out = v if v.stride(1) == 1 else v.contiguous(), y.new_empty(t, width // d, d)
     hp = min(16, triton.next_power_of_2(width // d))  # (heads a program: 68 heads of 128 spilled registers)
-    _norm_rope_kernel[(t, triton.cdiv(width // d, hp))](y, w1, w2, rot.contiguous(), out, y.stride(0), width // d,
-                                                         first, eps, HP=hp, D=d, R=2 * rot.shape[-1])
+    _norm_rope_kernel[(t, triton.cdiv(width // d, hp))](
+        y, w1, w2, rot.contiguous(), out, y.stride(0), width // d, first, eps, out if k_buf is None else k_buf,
+        out if v_buf is None else v_buf, y if loc is None else loc.contiguous(), v, v.stride(0), v.shape[1], HP=hp,
+        D=d, R=2 * rot.shape[-1], STORE=k_buf is not None, VB=min(1024, triton.next_power_of_2(v.shape[1] or 1)))
     return out
 
 
@@ -92,21 +95,6 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit):
     return out
 
 
-def write_kv(k_buf, v_buf, loc, k, v) -> None:
-    """The pools' writer (MiniMaxSparseKVPool.use_writer): `write_rows` where the kernels serve, else kv_pool's."""
-    (write_rows if serves(k) else kv_pool.write_rows)(k_buf, v_buf, loc, k, v)
-
-
-@_op("(Tensor(a!) k_buf, Tensor(b!) v_buf, Tensor loc, Tensor k, Tensor v) -> ()", fake=lambda *_: None,
-     forms="mem_cache.kv_pool")
-def write_rows(k_buf, v_buf, loc, k, v):
-    """kv_pool.write_rows of rows k, v [T, heads, d] (strided rows) at once: a program a token (SGLang's store)."""
-    t, n = loc.numel(), k_buf[0].numel()
-    k, v = (x if x.stride(1) == 1 else x.contiguous() for x in (k.reshape(t, n), v.reshape(t, n)))
-    _write_kernel[(t,)](k_buf, v_buf, loc.contiguous(), k, v, k.stride(0), v.stride(0), n,
-                        BLOCK=min(1024, triton.next_power_of_2(n)))
-
-
 @_op("(Tensor x, Tensor seeds, Tensor positions, Tensor greedy, Tensor temperature, Tensor tokens) -> Tensor",
      fake=lambda x, *_: x.new_empty(x.shape[0], dtype=torch.int64), forms="engine.runtime.sampler")
 def race(x, seeds, positions, greedy, temperature, tokens):
@@ -138,10 +126,11 @@ if triton is not None:
                  mask=ok)
 
     @triton.jit
-    def _norm_rope_kernel(y, w1, w2, rot, out, stride, heads, first, eps, HP: tl.constexpr, D: tl.constexpr,
-                          R: tl.constexpr):
+    def _norm_rope_kernel(y, w1, w2, rot, out, stride, heads, first, eps, k_buf, v_buf, loc, v, v_stride, vn,
+                          HP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, STORE: tl.constexpr, VB: tl.constexpr):
         """Token t's heads h [HP, D]: normed, and channel c < R rotated with its pair's mate c +- R/2 (model.md §3.1):
-        out_c = rot[a, a] n_c + rot[a, 1 - a] n_mate (a = c >= R/2), at rot's offsets c + R*a and c + R/2."""
+        out_c = rot[a, a] n_c + rot[a, 1 - a] n_mate (a = c >= R/2), at rot's offsets c + R*a and c + R/2; with STORE,
+        heads h >= first also at k_buf's row loc[t] (head h - first), and v's vn values at v_buf's."""
         t, c = tl.program_id(0).to(tl.int64), tl.arange(0, D)[None, :]
         h = tl.program_id(1) * HP + tl.arange(0, HP)[:, None]
         ok, rotated, mate = h < heads, c < R, tl.where(c < R // 2, c + R // 2, c - R // 2)
@@ -155,6 +144,14 @@ if triton is not None:
         same = tl.load(at + tl.where(c < R // 2, 0, R), mask=rotated, other=1.0).to(tl.float32)
         cross = tl.load(at + R // 2, mask=rotated, other=0.0).to(tl.float32)
         tl.store(out + (t * heads + h) * D + c, (same * n + cross * nm).to(out.dtype.element_ty), mask=ok)
+        if STORE:
+            slot = tl.load(loc + t).to(tl.int64)
+            tl.store(k_buf + (slot * (heads - first) + h - first) * D + c, (same * n + cross * nm).to(
+                k_buf.dtype.element_ty), mask=ok & (h >= first))
+            if tl.program_id(1) == 0:
+                for start in range(0, vn, VB):
+                    j = start + tl.arange(0, VB)
+                    tl.store(v_buf + slot * vn + j, tl.load(v + t * v_stride + j, mask=j < vn), mask=j < vn)
 
     @triton.jit
     def _swiglu_kernel(gate_up, out, inter, alpha, limit, BLOCK: tl.constexpr):
@@ -208,15 +205,6 @@ if triton is not None:
                 y += tl.sum(wv.to(tl.float32) * av, 1)
             total += tl.load(w + t * K + s).to(tl.float32) * y
         tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)
-
-    @triton.jit
-    def _write_kernel(k_buf, v_buf, loc, k, v, k_stride, v_stride, n, BLOCK: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        at = tl.load(loc + t).to(tl.int64) * n
-        for start in range(0, n, BLOCK):
-            c = start + tl.arange(0, BLOCK)
-            tl.store(k_buf + at + c, tl.load(k + t * k_stride + c, mask=c < n), mask=c < n)
-            tl.store(v_buf + at + c, tl.load(v + t * v_stride + c, mask=c < n), mask=c < n)
 
     @triton.jit
     def _race_kernel(x, seeds, positions, greedy, temperature, t_stride, tokens, out, v, BLOCK: tl.constexpr):

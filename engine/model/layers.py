@@ -25,15 +25,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.addcmul(n, n, weight.float(), out=torch.empty_like(x))
 
 
-def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, rot: torch.Tensor,
-              eps: float) -> torch.Tensor:
+def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, rot: torch.Tensor, eps: float,
+              k_buf: torch.Tensor | None = None, v_buf: torch.Tensor | None = None, loc: torch.Tensor | None = None,
+              v: torch.Tensor | None = None) -> torch.Tensor:
     """Per-head norm, then RoPE (model.md §2, §3.1), of y [T, heads * d] -> [T, heads, d]: heads < first normed by w1
-    [d], the rest by w2. NOTE: q with k (index q with k) at once: a third of the kernels of one at a time."""
+    [d], the rest (the keys) by w2. With k_buf, the keys are also written to its rows loc, and v [T, ...] to v_buf's.
+    NOTE: q with k (index q with k) at once: a third of the kernels of one at a time; on CUDA the writes too (SGLang
+    fuses the K/V store into its rotary kernel the same way)."""
     d = w1.shape[0]
     if fused.serves(y, d):
-        return fused.norm_rope(y, w1, w2, first, rot, eps)
+        return fused.norm_rope(y, w1, w2, first, rot, eps, k_buf, v_buf, loc, v)
     w = torch.cat([w1.expand(first, d), w2.expand(y.shape[1] // d - first, d)])  # [heads, d]: each head's weight
-    return apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
+    out = apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
+    if k_buf is not None:
+        k_buf.index_copy_(0, loc, out[:, first:])
+    if v_buf is not None:
+        v_buf.index_copy_(0, loc, v)
+    return out
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:

@@ -105,8 +105,9 @@ def load_model(model_path: str | Path, dtype: torch.dtype = torch.float32, devic
         logger.info("loaded weights from %s", model_dir)
     else:
         raise ValueError(f"load_format must be 'auto', 'safetensors' or 'dummy', got {load_format!r}")
-    model.to(device)  # then cast to `dtype`, but the router and the norms (FP32_PARAMS) and the RoPE table (fp32)
-    for name, p in model.named_parameters():
+    model.to(device)  # then cast to `dtype`, but the router and the norms (FP32_PARAMS); the RoPE table as the
+    for name, p in model.named_parameters():  # model's math rounds it (layers.rope_rotation)
         if not name.endswith(FP32_PARAMS):
             p.data = p.data.to(dtype)
+    model.rope_table = model.rope_table.to(dtype)
     return model.eval()

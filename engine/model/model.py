@@ -30,21 +30,19 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rot: torch.Tensor, masks: tuple | None, batch: ForwardBatch | DecodeBatch,
                 pool: MiniMaxSparseKVPool) -> torch.Tensor:
-        c, t, eps = self.cfg, x.shape[0], self.cfg.rms_norm_eps
+        c, t, eps, loc, i = self.cfg, x.shape[0], self.cfg.rms_norm_eps, batch.out_cache_loc, self.layer_id
         y = F.linear(x, self.qkv_proj)
         parts, qk = list(y.split(self.splits, dim=-1)), sum(self.splits[:2])
-        q, k = norm_rope(y[:, :qk], self.q_norm, self.k_norm, c.num_heads, rot, eps).tensor_split([c.num_heads], 1)
         v = parts[-2 if self.kind == "sparse_index_kv" else -1].view(t, c.num_kv_heads, c.head_dim)
-        pool.set_kv_buffer(self.layer_id, batch.out_cache_loc, k, v)
+        # (q and k normed and rotated; k and v written to this step's slots `loc` of the layer's pool buffers)
+        q = norm_rope(y[:, :qk], self.q_norm, self.k_norm, c.num_heads, rot, eps, *pool.get_kv_buffer(i), loc, v)
         iq = None
-        if self.kind != "dense":
-            iq, ik = norm_rope(y[:, qk:qk + sum(self.splits[2:4])], self.index_q_norm, self.index_k_norm,
-                               c.index_num_heads, rot, eps).tensor_split([c.index_num_heads], 1)
-            if self.kind == "sparse_index_kv":
-                pool.set_index_kv_buffer(self.layer_id, batch.out_cache_loc, ik, parts[-1].view(t, 1, -1))
-            else:
-                pool.set_index_k_buffer(self.layer_id, batch.out_cache_loc, ik)
-        o, u = attention(self.layer_id, q, iq, batch, pool, c, masks)
+        if self.kind != "dense":  # (the indexer's q and k alike; its v where the layer has the index-value branch)
+            store = ((*pool.get_index_kv_buffer(i), loc, parts[-1].view(t, 1, -1)) if self.kind == "sparse_index_kv"
+                     else (pool.get_index_k_buffer(i), None, loc))
+            iq = norm_rope(y[:, qk:qk + sum(self.splits[2:4])], self.index_q_norm, self.index_k_norm,
+                           c.index_num_heads, rot, eps, *store)[:, :c.index_num_heads]
+        o, u = attention(i, q[:, :c.num_heads], iq, batch, pool, c, masks)
         return F.linear(o if u is None else torch.cat([o, u], dim=-1), self.o_proj)
 
 
@@ -76,12 +74,14 @@ class MiniMaxM3Model(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Parameter(torch.empty(cfg.vocab_size, cfg.hidden_size))
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rotary_dim, cfg.rope_theta), persistent=False)
+        # (each position's rotation, fp32 until the loader casts it: gathered once a step, as SGLang's cos_sin_cache)
+        self.register_buffer("rope_table", rope_rotation(torch.arange(cfg.max_position_embeddings), rope_inv_freq(
+            cfg.rotary_dim, cfg.rope_theta), torch.float32), persistent=False)
 
     @torch.no_grad()
     def forward(self, batch: ForwardBatch | DecodeBatch, pool: MiniMaxSparseKVPool) -> torch.Tensor:
         x, delta = self.embed_tokens(batch.input_ids), None
-        rot = rope_rotation(batch.positions, self.inv_freq, x.dtype)  # (once a step, for all layers; so are the masks)
+        rot = self.rope_table[batch.positions].to(x.dtype)  # (once a step, for all layers; so are the masks)
         masks = decode_masks(batch, self.cfg) if isinstance(batch, DecodeBatch) else None
         for layer in self.layers:
             x, delta = layer(x, delta, rot, masks, batch, pool)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kernels import build_all, triton_pointwise
+from engine.kernels import build_all
 from engine.model.config_json import load_config
 from engine.model.loader import load_model
 from engine.model.model import MiniMaxM3Model
@@ -138,10 +138,12 @@ def build_components(args: EngineArgs
     auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # NOTE: CPUs have no fast bf16
     dtype = DTYPES.get(args.dtype, auto)
     cfg, tokenizer = load_config(args.model_path), load_tokenizer(args)
+    if (args.context_length or 0) > cfg.max_position_embeddings:  # (past it, no rotation: model.rope_table)
+        raise ValueError(f"context_length {args.context_length} is longer than the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings})")
     model = load_model(args.model_path, dtype, device, args.load_format, args.random_seed, cfg=cfg)
     context_len, size = args.context_length or cfg.max_position_embeddings, kv_pool_tokens(args, model, dtype, device)
     pool = MiniMaxSparseKVPool(size, dtype, cfg.layer_kinds, cfg.num_kv_heads, cfg.head_dim, cfg.index_head_dim, device)
-    pool.use_writer(triton_pointwise.write_kv)  # (K and V rows in one kernel on CUDA)
     kv = KVCacheManager(size, args.max_running_requests, context_len, device, args.disable_radix_cache,
                         build_hicache(args, model, pool))
     logger.info("model %s on %s/%s: %d layers %s, KV pool %d tokens (%.1f MiB)", args.model_path, device,
