@@ -124,16 +124,21 @@ def test_select_kernel_equals_select_blocks(block_size, topk, init, local):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens,k,experts,hidden,inter", [(3, 2, 8, 256, 256), (1, 4, 64, 200, 96), (5, 2, 4, 64, 300)])
-def test_expert_pair_kernels_equal_the_gathered_experts(dtype, tokens, k, experts, hidden, inter):
-    """Hidden and intermediate sizes in and out of the kernels' blocks; experts shared by tokens (4 experts)."""
+@pytest.mark.parametrize("tokens,k,experts,hidden,inter,shared", [(3, 2, 8, 256, 256, 256), (1, 4, 64, 200, 96, 160),
+                                                                   (5, 2, 4, 64, 300, 64), (2, 2, 8, 64, 96, 0)])
+def test_expert_pair_kernels_equal_the_gathered_experts(dtype, tokens, k, experts, hidden, inter, shared):
+    """Hidden and intermediate sizes in and out of the kernels' blocks; experts shared by tokens (4 experts); the
+    shared expert (one more pair a token) as wide as the experts, wider, narrower, or none."""
     g = torch.Generator().manual_seed(6)
-    x, w13, w2 = (_randn(*s, g=g, scale=f, dtype=dtype) for s, f in
-                  (((tokens, hidden), 5.0), ((experts, 2 * inter, hidden), 0.1), ((experts, hidden, inter), 0.1)))
+    x, w13, w2, s13, s2 = (_randn(*s, g=g, scale=f, dtype=dtype) for s, f in
+                           (((tokens, hidden), 5.0), ((experts, 2 * inter, hidden), 0.1), ((experts, hidden, inter), 0.1),
+                            ((2 * shared, hidden), 0.1), ((hidden, shared), 0.1)))
+    s13, s2 = (s13, s2) if shared else (None, None)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(tokens)]).to(DEVICE)
     w = torch.rand(tokens, k, generator=g).to(DEVICE)
-    want = layers.gathered_experts(x.double(), ids, w.double(), w13.double(), w2.double(), 1.702, 7.0)
-    got = fused.gathered_experts(x, ids, w, w13, w2, 1.702, 7.0)  # (bf16: each pair's activations rounded, as the
+    want = layers.gathered_experts(x.double(), ids, w.double(), w13.double(), w2.double(), 1.702, 7.0,
+                                   *((s13.double(), s2.double()) if shared else ()))
+    got = fused.gathered_experts(x, ids, w, w13, w2, 1.702, 7.0, s13, s2)  # (bf16: each pair's activations rounded, as the
     assert got.dtype == dtype  # grouped form's are)
     top = want.abs().max().item()  # (bf16: within its rounding of the largest outputs)
     tol = {"atol": 1e-6 * top, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-2 * top, "rtol": 2e-2}

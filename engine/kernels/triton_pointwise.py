@@ -1,7 +1,7 @@
 """The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
 each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
-and k and v written to the pool 10, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped, the race 34): a bf16
-tiny decode step 559 -> 137 kernels with triton_indexer's. Each computes in float32, rounding once.
+and k and v written to the pool 10, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped and its shared expert
+3 more, the race 34): a bf16 tiny decode step 559 -> 119 kernels with triton_indexer's. Each computes in float32, rounding once.
 Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
@@ -83,15 +83,18 @@ def route(logits, bias, top_k, scale):
     return ids, w
 
 
-@_op("(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit) -> Tensor")
-def gathered_experts(x, ids, w, w13, w2, alpha, limit):
-    """layers.gathered_experts in two kernels, each (token, expert) pair reading its expert's rows in place: the
-    SwiGLU-OAI activations of every pair [T * k, I], then each token's weighted sum of its pairs' down projections."""
-    (t, h), (k, i), x = x.shape, (ids.shape[1], w2.shape[2]), x.contiguous()
-    act, out, ids, w = x.new_empty(t * k, i), torch.empty_like(x), ids.contiguous(), w.contiguous()
-    _experts_up_kernel[(t * k, triton.cdiv(i, 32))](x, ids, w13, act, h, i, alpha, limit, K=k, BI=32, BH=128,
-                                                    num_warps=8)
-    _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, out, h, i, K=k, BO=32, BI=128, num_warps=8)
+@_op("(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit, Tensor? s13=None, "
+     "Tensor? s2=None) -> Tensor")
+def gathered_experts(x, ids, w, w13, w2, alpha, limit, s13=None, s2=None):
+    """layers.gathered_experts in two kernels, each (token, expert) pair reading its expert's rows in place (the shared
+    expert s13, s2 one more pair a token, of weight 1): every pair's activations, then each token's weighted sum."""
+    (t, h), (k, i), x, ids, w = x.shape, (ids.shape[1], w2.shape[2]), x.contiguous(), ids.contiguous(), w.contiguous()
+    si = 0 if s2 is None else s2.shape[1]  # (the shared expert's intermediate size; 0: none)
+    ks, act, out = k + (si > 0), x.new_empty(t * (k + (si > 0)), max(i, si)), torch.empty_like(x)
+    _experts_up_kernel[(t * ks, triton.cdiv(max(i, si), 32))](x, ids, w13, w13 if s13 is None else s13, act, h, i, si,
+                                                              alpha, limit, K=k, KS=ks, BI=32, BH=128, num_warps=8)
+    _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, w2 if s2 is None else s2, out, h, i, si, K=k, KS=ks,
+                                                  BO=32, BI=128, num_warps=8)
     return out
 
 
@@ -177,33 +180,38 @@ if triton is not None:
         tl.store(w + t * K + s, picked / (tl.sum(picked) / scale), mask=s < K)
 
     @triton.jit
-    def _experts_up_kernel(x, ids, w13, act, n, inter, alpha, limit, K: tl.constexpr, BI: tl.constexpr,
-                           BH: tl.constexpr):
+    def _experts_up_kernel(x, ids, w13, s13, act, n, inter, s_inter, alpha, limit, K: tl.constexpr, KS: tl.constexpr,
+                           BI: tl.constexpr, BH: tl.constexpr):
         p, c = tl.program_id(0).to(tl.int64), tl.program_id(1) * BI + tl.arange(0, BI)  # (pair p, activations c)
-        rows = w13 + tl.load(ids + p) * 2 * inter * n + c[:, None] * n  # (the gate rows; the up rows inter below)
+        tok, s = p // KS, p % KS  # (s == K: the shared expert)
+        width = tl.where(s == K, s_inter, inter)
+        rows = tl.where(s == K, s13, w13 + tl.load(ids + tok * K + tl.minimum(s, K - 1)) * 2 * inter * n)
+        rows += c[:, None] * n  # (the gate rows; the up rows `width` below)
         gate, up = tl.zeros([BI], tl.float32), tl.zeros([BI], tl.float32)
         for at in range(0, n, BH):
             j = at + tl.arange(0, BH)
-            xv = tl.load(x + p // K * n + j, mask=j < n, other=0.0).to(tl.float32)[None, :]
-            ok = (c[:, None] < inter) & (j[None, :] < n)
+            xv = tl.load(x + tok * n + j, mask=j < n, other=0.0).to(tl.float32)[None, :]
+            ok = (c[:, None] < width) & (j[None, :] < n)
             gate += tl.sum(tl.load(rows + j[None, :], mask=ok, other=0.0).to(tl.float32) * xv, 1)
-            up += tl.sum(tl.load(rows + inter * n + j[None, :], mask=ok, other=0.0).to(tl.float32) * xv, 1)
+            up += tl.sum(tl.load(rows + width * n + j[None, :], mask=ok, other=0.0).to(tl.float32) * xv, 1)
         g, up = tl.minimum(gate, limit), tl.minimum(tl.maximum(up, -limit), limit)
         a = g * tl.sigmoid(alpha * g)
-        tl.store(act + p * inter + c, (a + a * up).to(act.dtype.element_ty), mask=c < inter)
+        tl.store(act + p * tl.maximum(inter, s_inter) + c, (a + a * up).to(act.dtype.element_ty), mask=c < width)
 
     @triton.jit
-    def _experts_down_kernel(act, ids, w, w2, out, n, inter, K: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr):
+    def _experts_down_kernel(act, ids, w, w2, s2, out, n, inter, s_inter, K: tl.constexpr, KS: tl.constexpr,
+                             BO: tl.constexpr, BI: tl.constexpr):
         t, o = tl.program_id(0).to(tl.int64), tl.program_id(1) * BO + tl.arange(0, BO)  # (token t, outputs o)
         total = tl.zeros([BO], tl.float32)
-        for s in range(K):
-            rows, y = w2 + tl.load(ids + t * K + s) * n * inter + o[:, None] * inter, tl.zeros([BO], tl.float32)
-            for at in range(0, inter, BI):
+        for s in range(KS):
+            e, width = tl.load(ids + t * K + tl.minimum(s, K - 1)), tl.where(s == K, s_inter, inter)
+            rows, y = tl.where(s == K, s2, w2 + e * n * inter) + o[:, None] * width, tl.zeros([BO], tl.float32)
+            for at in range(0, width, BI):
                 j = at + tl.arange(0, BI)
-                av = tl.load(act + (t * K + s) * inter + j, mask=j < inter, other=0.0).to(tl.float32)[None, :]
-                wv = tl.load(rows + j[None, :], mask=(o[:, None] < n) & (j[None, :] < inter), other=0.0)
-                y += tl.sum(wv.to(tl.float32) * av, 1)
-            total += tl.load(w + t * K + s).to(tl.float32) * y
+                av = tl.load(act + (t * KS + s) * tl.maximum(inter, s_inter) + j, mask=j < width, other=0.0)
+                wv = tl.load(rows + j[None, :], mask=(o[:, None] < n) & (j[None, :] < width), other=0.0)
+                y += tl.sum(wv.to(tl.float32) * av.to(tl.float32)[None, :], 1)
+            total += tl.where(s == K, 1.0, tl.load(w + t * K + tl.minimum(s, K - 1)).to(tl.float32)) * y
         tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)
 
     @triton.jit

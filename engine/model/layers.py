@@ -37,10 +37,9 @@ def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, r
         return fused.norm_rope(y, w1, w2, first, rot, eps, k_buf, v_buf, loc, v)
     w = torch.cat([w1.expand(first, d), w2.expand(y.shape[1] // d - first, d)])  # [heads, d]: each head's weight
     out = apply_rope(rms_norm(y.view(y.shape[0], w.shape[0], d), w, eps), rot)  # (no -1: a batch may be empty)
-    if k_buf is not None:
-        k_buf.index_copy_(0, loc, out[:, first:])
-    if v_buf is not None:
-        v_buf.index_copy_(0, loc, v)
+    for buf, rows in ((k_buf, out[:, first:]), (v_buf, v)):  # (the keys, and the values where given)
+        if buf is not None:
+            buf.index_copy_(0, loc, rows)
     return out
 
 
@@ -126,9 +125,13 @@ def grouped_kernel(x: torch.Tensor) -> bool:
 
 
 def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                     alpha: float, limit: float) -> torch.Tensor:
-    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s] (`moe_experts`'s math). NOTE: as multiply-and-sum,
-    inductor reads the k experts' rows in place (one kernel, no gathered copy): 85 vs 126 us a layer for an einsum."""
+                     alpha: float, limit: float, s13: torch.Tensor | None = None, s2: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s] (`moe_experts`'s math); with s13, s2, plus the
+    shared expert's. NOTE: as multiply-and-sum, inductor reads the k experts' rows in place (one kernel, no gathered
+    copy): 85 vs 126 us a layer for an einsum."""
+    if s13 is not None:  # (the Triton form's signature: it takes the shared expert as one more pair)
+        return gathered_experts(x, ids, w, w13, w2, alpha, limit) + F.linear(swiglu_oai(x @ s13.T, alpha, limit), s2)
     if x.shape[0] > GATHER_ROWS:  # (in pieces: the gathered weights are k expert copies a token)
         return torch.cat([gathered_experts(x[i:i + GATHER_ROWS], ids[i:i + GATHER_ROWS], w[i:i + GATHER_ROWS], w13, w2,
                                            alpha, limit) for i in range(0, x.shape[0], GATHER_ROWS)])
@@ -169,15 +172,17 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """MoE(x): each token through its k experts only, in static-shape forms with no host sync (a captured step runs
         them as is). On CPU in float32 the C kernel (grouping tokens by expert itself). On CUDA Triton's two kernels
-        over the (token, expert) pairs unless they read much more than the grouped form (`PAIR_BYTES`): pairs sorted by
-        expert through grouped matmuls where torch's grouped kernel needs no sync (`grouped_kernel`), else the gathered
-        experts. NOTE: C kernel / loop over experts / all experts, 64 tokens: 0.51 / 0.80 / 1.54 ms."""
+        over the (token, expert) pairs, the shared expert one more a token, unless they read much more than the
+        grouped form (`PAIR_BYTES`): pairs sorted by expert through grouped matmuls where torch's grouped kernel needs
+        no sync (`grouped_kernel`), else the gathered experts. NOTE: C kernel / loop over experts / all experts, 64
+        tokens: 0.51 / 0.80 / 1.54 ms."""
         ids, w = self.route(x, self.scale)  # (gamma on the k weights: sum_e (gamma w_e) Expert_e(x))
         if on_kernel(x, self.w13, self.w2):
             routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         elif fused.serves(x) and (not grouped_kernel(x) or (ids.numel() - self.w13.shape[0]) * (
                 self.w13[0].nbytes + self.w2[0].nbytes) <= PAIR_BYTES):
-            routed = fused.gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
+            shared = () if self.shared is None else (self.shared.gate_up_proj, self.shared.down_proj)  # (3 kernels less)
+            return fused.gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit, *shared)
         elif grouped_kernel(x):
             routed = self._grouped(x, ids, w)
         else:
