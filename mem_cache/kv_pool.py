@@ -65,8 +65,7 @@ class MHATokenToKVPool:
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """Write K and V rows `loc` of local layer `layer_id` (cast to the pool dtype), in place."""
-        self.check_layer(layer_id)
-        self.k_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_k, "cache_k"))
+        self.set_k_buffer(layer_id, loc, cache_k)
         self.v_buffer[layer_id].index_copy_(0, loc, self._rows(loc, cache_v, "cache_v"))
 
     def tensors(self) -> list[torch.Tensor]:

@@ -36,16 +36,16 @@ class RadixCache:
     def __init__(self, allocator: TokenSlotAllocator, disable: bool = False,
                  on_evict: Callable[[list[int], torch.Tensor], None] | None = None) -> None:
         self.allocator, self.disable, self.on_evict = allocator, disable, on_evict
-        self._clock = self._next_id = self._evictable = self._protected = 0
+        self._clock = self._next_id = self._total = self._protected = 0
         self.root = self._node([], self._empty(), None)
 
     def total_size(self) -> int:
         """Tokens (= slots) held by the tree."""
-        return self._evictable + self._protected
+        return self._total
 
     def evictable_size(self) -> int:
         """Tokens held by unlocked nodes (what `evict` could free)."""
-        return self._evictable
+        return self._total - self._protected
 
     def protected_size(self) -> int:
         return self._protected
@@ -84,7 +84,7 @@ class RadixCache:
         node, present, _ = self._descend(tokens := list(token_ids), split_inside=False)
         if present < len(tokens):  # (the tokens after those present: a new leaf, their slots now the tree's)
             node.children[tokens[present]] = self._node(tokens[present:], slots[present:].clone(), node)
-            self._evictable += len(tokens) - present
+            self._total += len(tokens) - present
         assert present >= own_from, f"RadixCache: {own_from} slots given as the tree's, which holds {present} of them"
         self.allocator.free(slots[own_from:present], checked=False)
 
@@ -92,7 +92,6 @@ class RadixCache:
         """Lock the path root -> `node`: none of its nodes is evicted until `dec_lock_ref`."""
         for n in self._path(node):
             if n.lock_ref == 0:
-                self._evictable -= len(n.key)
                 self._protected += len(n.key)
             n.lock_ref += 1
 
@@ -103,7 +102,6 @@ class RadixCache:
         for n in path:
             n.lock_ref -= 1
             if n.lock_ref == 0:
-                self._evictable += len(n.key)
                 self._protected -= len(n.key)
 
     def evict(self, num_tokens: int) -> int:
@@ -127,7 +125,7 @@ class RadixCache:
             count += len(node.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, parent.node_id, parent))
-        self._evictable -= count
+        self._total -= count
         self.allocator.free(self._cat([n.value for n in freed]), checked=False)  # (the tree's own slots)
         return count
 
@@ -140,7 +138,7 @@ class RadixCache:
         for n in self.nodes():
             n.parent = None
         self.root.children.clear()
-        self._evictable = 0
+        self._total = 0
 
     def check_integrity(self) -> bool:
         ev = pr = 0
@@ -152,8 +150,8 @@ class RadixCache:
             assert 0 <= node.lock_ref and (p is self.root or p.lock_ref >= node.lock_ref), (
                 f"RadixCache: {node} has more locks than its parent")
             pr, ev = (pr + len(node.key), ev) if node.lock_ref else (pr, ev + len(node.key))
-        assert (ev, pr) == (self._evictable, self._protected), (
-            f"RadixCache: counted evictable/protected {(ev, pr)} != tracked {(self._evictable, self._protected)}")
+        assert (ev, pr) == (self.evictable_size(), self._protected), (
+            f"RadixCache: counted evictable/protected {(ev, pr)} != tracked {(self.evictable_size(), self._protected)}")
         slots = self.all_slots()
         assert torch.unique(slots).numel() == slots.numel(), "RadixCache: a slot appears twice in the tree"
         assert self.allocator.is_allocated(slots), "RadixCache: a tree slot is free in the allocator"

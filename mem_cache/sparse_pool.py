@@ -27,15 +27,14 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         self.num_layers = len(self.layer_kinds)
         self.size, self.dtype, self.device = size, dtype, torch.device(device)
         self.head_num, self.head_dim, self.index_head_dim = head_num, head_dim, index_head_dim
-        self.index_kv_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == pool_info.SPARSE_INDEX_KV]
-        self.index_k_layer_ids = [i for i, k in enumerate(self.layer_kinds) if k == pool_info.SPARSE_K_ONLY]
         self.main_pool = MHATokenToKVPool(size, dtype, head_num, head_dim, self.num_layers, self.device, "main_pool")
 
-        def index_pool(cls: type[MHATokenToKVPool], ids: list[int], name: str) -> MHATokenToKVPool | None:
+        def index_pool(cls: type[MHATokenToKVPool], kind: str, name: str) -> MHATokenToKVPool | None:
+            ids = [i for i, k in enumerate(self.layer_kinds) if k == kind]
             return cls(size, dtype, 1, index_head_dim, len(ids), self.device, name, ids) if ids else None
 
-        self.index_kv_pool = index_pool(MHATokenToKVPool, self.index_kv_layer_ids, "index_kv_pool")
-        self.index_k_pool = index_pool(MHATokenToKOnlyPool, self.index_k_layer_ids, "index_k_pool")
+        self.index_kv_pool = index_pool(MHATokenToKVPool, pool_info.SPARSE_INDEX_KV, "index_kv_pool")
+        self.index_k_pool = index_pool(MHATokenToKOnlyPool, pool_info.SPARSE_K_ONLY, "index_k_pool")
         # NOTE: _routes alone says which buffer of which layer lives where: all accessors and introspection use it.
         self._routes = [dict.fromkeys(pool_info.BUFFER_NAMES) for _ in self.layer_kinds]
         for pool, names in ((self.main_pool, ("key", "value")), (self.index_kv_pool, ("index_key", "index_value")),
@@ -58,8 +57,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def _index_route(self, layer_id: int, buffer: str, accessor: str) -> BufferLocation:
         if (loc := self.buffer_location(layer_id, buffer)) is not None:
             return loc
-        owners = self.layers_with(buffer)
-        what = "an index key buffer" if buffer == "index_key" else "an index value buffer"
+        owners, what = self.layers_with(buffer), f"an index {buffer.removeprefix('index_')} buffer"
         if self.layer_kinds[layer_id] == pool_info.DENSE:
             why, instead = "dense (no indexer, no index buffers)", f"get_kv_buffer({layer_id}) for its main K/V"
         else:

@@ -136,11 +136,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.get("/health")
     async def health(request: Request) -> Response:
-        if state.healthy:
-            return Response(status_code=200)
         if state.async_engine.warming and state.ready:
             return error_response(request, 503, "warming up: compiling the decode graphs (see the log)")
-        return Response(status_code=503)
+        return Response(status_code=200 if state.healthy else 503)
 
     @app.get("/liveness")
     async def liveness() -> Response:

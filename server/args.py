@@ -53,14 +53,13 @@ def _add(p: argparse.ArgumentParser, name: str, default: Any) -> None:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     p = argparse.ArgumentParser(prog="python -m server", description="MiniMax-M3-style sparse-attention LM server")
-    engine, server = EngineArgs(), ServerArgs()
-    for f in fields(EngineArgs):
-        _add(p, f.name, getattr(engine, f.name))
+    for name, default in asdict(EngineArgs()).items():
+        _add(p, name, default)
     p.add_argument("--disable-torch-compile", action="store_true", dest="disable_cuda_graph",
                    help="the same switch as --disable-cuda-graph: decode runs eager")
-    for f in fields(ServerArgs):
-        if f.name != "engine":
-            _add(p, f.name, getattr(server, f.name))
+    for name, default in asdict(ServerArgs()).items():
+        if name != "engine":
+            _add(p, name, default)
     p.add_argument("--enable-prompt-tokens-details", action="store_true", dest="enable_cache_report",
                    help="vLLM's name for --enable-cache-report")
     ns, names = vars(p.parse_args(argv)), {f.name for f in fields(EngineArgs)}

@@ -127,13 +127,11 @@ def document_request_bodies(schema: dict[str, Any]) -> None:
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for path, model in (("/v1/completions", CompletionRequest), ("/v1/chat/completions", ChatCompletionRequest)):
         body = model.model_json_schema(ref_template="#/components/schemas/{model}")
-        for name, sub in body.pop("$defs", {}).items():
-            components.setdefault(name, sub)
+        components.update({name: sub for name, sub in body.pop("$defs", {}).items() if name not in components})
         components[model.__name__] = body
         schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
-    # validation errors are 400 in this server's envelopes (app.py), never FastAPI's 422
-    for path, item in schema["paths"].items():
+    for path, item in schema["paths"].items():  # validation errors: 400 in this server's envelopes (app.py), not 422
         for op in item.values():
             op.setdefault("responses", {}).pop("422", None)
             op["responses"]["400"] = {"description": "Bad request: " + (

@@ -64,10 +64,9 @@ async def server_info(request: Request) -> dict[str, Any]:
     return info | {
         "max_new_tokens_cap": info["max_new_tokens_cap"] or eng.context_len,  # the limit in force
         "served_model_name": args.model_name, "context_len": eng.context_len,
-        "max_total_num_tokens": st.max_total_tokens,
-        "max_req_input_len": min(eng.context_len, st.max_total_tokens) - 1, "status": state.status(), "dp_size": 1,
-        "captured_decode_batch_sizes": list(st.captured_batch_sizes), "decode_graphs": eng.decode_graphs(),
-        "internal_states": [{
+        "max_total_num_tokens": st.max_total_tokens, "max_req_input_len": min(eng.context_len, st.max_total_tokens) - 1,
+        "status": state.status(), "dp_size": 1, "captured_decode_batch_sizes": list(st.captured_batch_sizes),
+        "decode_graphs": eng.decode_graphs(), "internal_states": [{
             "last_gen_throughput": state.metrics.gen_throughput() if state.metrics is not None else None,
             "num_running_reqs": st.num_running, "num_queue_reqs": st.num_waiting, "num_used_tokens": st.used_tokens,
             "token_usage": st.token_usage, "memory_usage": {"kv_cache_bytes": st.kv_cache_bytes},
@@ -129,10 +128,8 @@ def _pool_info(request: Request, layer_id: int, buffer: str | None = None) -> di
     pool = server_state(request).engine.pool
     try:
         return pool.layer_info(layer_id) if buffer is None else pool.buffer_info(layer_id, buffer)
-    except LayerIdError as e:
-        raise ApiError(404, str(e)) from None
-    except MissingBufferError as e:
-        raise ApiError(409, str(e)) from None
+    except (LayerIdError, MissingBufferError) as e:
+        raise ApiError(404 if isinstance(e, LayerIdError) else 409, str(e)) from None
     except ValueError as e:  # an unknown buffer name
         raise BadRequest(str(e)) from None
 

@@ -43,18 +43,15 @@ def _prompts(req: GenerateReqInput, tok: Tokenizer | None) -> tuple[list[list[in
                          "send input_ids instead.")
     texts = [req.text] if isinstance(req.text, str) else list(req.text)
     prompts = [tok.encode(t) for t in texts]
-    for t, p in zip(texts, prompts):
-        if not p:
-            raise BadRequest(f"text {t!r} encodes to no tokens; send a non-empty prompt.")
+    if [] in prompts:
+        raise BadRequest(f"text {texts[prompts.index([])]!r} encodes to no tokens; send a non-empty prompt.")
     return prompts, isinstance(req.text, str)
 
 
 def _per_prompt(name: str, value: Any, k: int, n: int, default: Any, listy: bool = False) -> list[Any]:
-    """Broadcast a scalar argument, or check a per-prompt list against the batch."""
-    if value is None:
-        return [default] * k
+    """Broadcast a scalar argument (None: `default`), or check a per-prompt list against the batch."""
     if not isinstance(value, list) or (listy and not (value and isinstance(value[0], list))):
-        return [value] * k
+        return [default if value is None else value] * k
     if n > 1:
         raise BadRequest(f"{name} given as a list is not supported together with n > 1 (n={n}).")
     if len(value) != k:

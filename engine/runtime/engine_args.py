@@ -45,10 +45,9 @@ class EngineArgs:
             raise ValueError(f"page_size must be 1 (paged KV slots are not supported by the scheduler yet), got {self.page_size}")
         if not 0 < self.mem_fraction_static < 1:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        for name, value, allowed in (("hicache_write_policy", self.hicache_write_policy, WRITE_POLICIES),
-                                     ("hicache_storage_backend", self.hicache_storage_backend, (None, "file"))):
-            if value not in allowed:
-                raise ValueError(f"{name} must be one of {list(allowed)}, got {value!r}")
+        for name, allowed in (("hicache_write_policy", WRITE_POLICIES), ("hicache_storage_backend", (None, "file"))):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {list(allowed)}, got {getattr(self, name)!r}")
         if self.hicache_ratio <= 0 or self.hicache_size < 0:
             raise ValueError(f"hicache_ratio must be > 0 and hicache_size >= 0, got {self.hicache_ratio} and "
                              f"{self.hicache_size}")

@@ -22,11 +22,9 @@ class LLM:
         self.tokenizer, self.cfg = self.engine.tokenizer, self.engine.cfg
 
     def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this engine has no tokenizer: pass token ids instead of text")
-            return self.tokenizer.encode(prompt)
-        return list(prompt)
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise ValueError("this engine has no tokenizer: pass token ids instead of text")
+        return self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def generate(self, prompts: Prompt | list[Prompt], sampling: dict[str, Any] | list[dict[str, Any]] | None = None,
                  logprob: LogprobOptions | None = None, progress: bool = False) -> list[dict[str, Any]]:
@@ -53,10 +51,9 @@ class LLM:
 
     @staticmethod
     def _to_dict(res: JoinedOutput) -> dict[str, Any]:
-        out = res.last
-        meta = {"id": res.rid, "finish_reason": out.finish_reason, "prompt_tokens": out.prompt_tokens,
-                "completion_tokens": len(res.output_ids), "cached_tokens": out.cached_tokens,
-                "num_retractions": out.num_retractions}
+        meta = {"id": res.rid, "finish_reason": res.finish_reason, "prompt_tokens": res.last.prompt_tokens,
+                "completion_tokens": len(res.output_ids), "cached_tokens": res.cached_tokens,
+                "num_retractions": res.num_retractions}
         if res.logprobs is not None:
             meta["logprobs"] = res.logprobs
         return {"text": res.text, "output_ids": res.output_ids, "meta_info": meta}

@@ -57,8 +57,7 @@ def _cpu_times() -> dict[str, tuple[int, int]]:
     for line in Path("/proc/stat").read_text().splitlines():
         name, *ticks = line.split()
         if name.startswith("cpu") and name != "cpu":
-            t = [int(x) for x in ticks]
-            out[name] = (t[3] + t[4], sum(t[:8]))
+            out[name] = (int(ticks[3]) + int(ticks[4]), sum(map(int, ticks[:8])))
     return out
 
 

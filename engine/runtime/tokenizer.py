@@ -103,8 +103,7 @@ class Tokenizer:
                 self._compiled_template = env.from_string(self.chat_template)
             except TemplateError as e:
                 raise ChatTemplateError(f"invalid chat template: {e}") from e
-        ctx = {"bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "pad_token": self.pad_token or "",
-               **kwargs}
+        ctx = {k: getattr(self, k) or "" for k in ("bos_token", "eos_token", "pad_token")} | kwargs
         try:
             return self._compiled_template.render(messages=messages, add_generation_prompt=add_generation_prompt, **ctx)
         except TemplateError as e:
