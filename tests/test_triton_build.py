@@ -18,7 +18,7 @@ from engine.kernels import triton_decode
 
 pytestmark = pytest.mark.skipif(triton_decode.triton is None, reason="Triton is not installed")
 ROOT = Path(__file__).resolve().parents[1]
-KERNELS = {"_attend_kernel", "_combine_kernel", "_block_kernel", "_scores_kernel", "_select_kernel", "_rms_kernel",
+KERNELS = {"_attend_kernel", "_combine_kernel", "_block_kernel", "_scores_kernel", "_rms_kernel",
            "_norm_rope_kernel", "_swiglu_kernel", "_route_kernel", "_experts_up_kernel", "_experts_down_kernel",
            "_race_kernel"}
 

@@ -1,5 +1,5 @@
 """Triton's pointwise kernels (engine/kernels/triton_pointwise.py) and the decode step's block selection
-(triton_decode's `_select`), compiled on a GPU (`make bench-gpu` runs this file) and run by Triton's interpreter
+(in triton_decode's block kernel), compiled on a GPU (`make bench-gpu` runs this file) and run by Triton's interpreter
 elsewhere: against layers.py's and indexer.py's PyTorch forms, in float32 (to its rounding) and bfloat16 (the kernels
 round once, the PyTorch forms between steps: within bf16's rounding), at widths that are and are not powers of two.
 A whole decode step through every kernel: tests/test_triton_decode.py."""
@@ -39,7 +39,7 @@ def _randn(*shape: int, g: torch.Generator, scale: float = 1.0, dtype: torch.dty
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [256, 200])
 def test_rms_norm_kernels_equal_the_pytorch_forms(dtype, n):
-    """The norm alone, and with the residual add before it."""
+    """The norm alone, and with the residual add before it; in float32 for the MoE's router (the same values)."""
     g = torch.Generator().manual_seed(0)
     x, w = _randn(3, 5, n, g=g, scale=3.0, dtype=dtype), _randn(n, g=g, scale=0.2, dtype=dtype)
     _close(fused.rms_norm(x, w, 1e-6), layers.rms_norm(x, w, 1e-6), dtype)
@@ -48,6 +48,10 @@ def test_rms_norm_kernels_equal_the_pytorch_forms(dtype, n):
     _close(h, x + delta, dtype)  # (on a GPU, bit for bit: Triton's interpreter truncates to bf16, a GPU rounds)
     assert DEVICE == "cpu" or torch.equal(h, x + delta)
     _close(normed, layers.add_rms_norm(x, delta, w, 1e-6)[1], dtype)
+    wide = fused.add_rms_norm(x, delta, w, 1e-6, torch.float32)[1]
+    assert wide.dtype == torch.float32 and torch.equal(wide, normed.float())
+    assert torch.equal(layers.add_rms_norm(x, delta, w, 1e-6, torch.float32)[1], layers.add_rms_norm(
+        x, delta, w, 1e-6)[1].float())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -108,19 +112,24 @@ def test_route_kernel_equals_the_pytorch_form(experts, k):
 
 
 @pytest.mark.parametrize("block_size,topk,init,local", [(64, 4, 1, 1), (16, 6, 0, 1), (64, 8, 2, 2)])
-def test_select_kernel_equals_select_blocks(block_size, topk, init, local):
-    """Rows from one visible block to all nb, heads with tied scores (zeros, and -0.0 beside 0.0)."""
+def test_the_block_kernel_selects_as_select_blocks(block_size, topk, init, local):
+    """The decode step's block attention choosing its blocks from the block scores itself: as over `select_blocks`'
+    blocks, bit for bit (the same blocks in the same order), and as the C kernel over them (after a failure). Rows
+    from one visible block to all nb, heads with tied scores (zeros, and -0.0 beside 0.0)."""
     g, nb = torch.Generator().manual_seed(4), 40
     q_pos = torch.tensor([0, block_size - 1, block_size, 3 * block_size + 5, 20 * block_size, nb * block_size - 1])
     scores = torch.randn(len(q_pos), 3, nb, generator=g)
     scores[:, 1] = 0.0
     scores[:, 2, ::2] = -0.0
-    scores, q_pos = scores.to(DEVICE), q_pos.to(DEVICE)
-    got = triton_indexer._select(scores, q_pos, block_size, topk, init, local)
-    masks = block_masks(q_pos[:, None], nb, block_size, topk, init, local)
-    assert torch.equal(got, select_blocks(scores[:, :, None], masks)[:, :, 0])
-    assert torch.equal(triton_indexer._selected(scores, q_pos, block_size, topk, init, local), got)  # (after a failure)
-    assert (got[0, :, 1:] == -1).all() and (got[-1] >= 0).all()
+    q, (k, v) = torch.randn(len(q_pos), 3, 2, 32, generator=g), (torch.randn(5000, 3, 32, generator=g) for _ in "kv")
+    key_slots = torch.randint(0, 5000, (len(q_pos), nb * block_size), generator=g)
+    args = [x.to(DEVICE) for x in (q, k, v, key_slots, scores, q_pos)]
+    got = triton_indexer._select_attend(*args, block_size, topk, init, local, 0.2)
+    blocks = select_blocks(args[4][:, :, None], block_masks(args[5][:, None], nb, block_size, topk, init, local))[:, :, 0]
+    assert (blocks[0, :, 1:] == -1).all() and (blocks[-1] >= 0).all()
+    assert torch.equal(got, triton_decode._block_attention(*args[:4], blocks, args[5], block_size, 0.2))
+    torch.testing.assert_close(triton_indexer._selected_attention(*args, block_size, topk, init, local, 0.2), got,
+                               atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -95,11 +95,18 @@ def _attention(q, k_buf, v_buf, key_slots, lengths, scale):
 @kernel_op("(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor blocks, Tensor q_pos, int block_size, "
            "float scale) -> Tensor", paged_block_attention)
 def _block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale):
-    (b, h, g, d), q = q.shape, q.contiguous()
+    return launch_blocks(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
+
+
+def launch_blocks(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale, select=None):
+    """_block_kernel's launch; with `select` = (topk, init, local), `blocks` are block scores the kernel selects from
+    (triton_indexer's `decode_sparse_attention`)."""
+    (b, h, g, d), (q, nb) = q.shape, (q.contiguous(), blocks.shape[-1])
     out = torch.empty_like(q)  # (contiguous, as the kernel writes it)
     _block_kernel[(b, h)](q, k_buf, v_buf, key_slots, blocks.contiguous(), q_pos.contiguous(), out,
-                          key_slots.stride(0), scale, blocks.shape[-1], H=h, G=g, GP=max(16, triton.next_power_of_2(g)),
-                          D=d, BS=block_size, num_warps=8)
+                          key_slots.stride(0), scale, nb, *(select or (nb, 0, 0)), H=h, G=g, D=d, BS=block_size,
+                          GP=max(16, triton.next_power_of_2(g)), NB=triton.next_power_of_2(nb) if select else 0,
+                          num_warps=8)
     return out
 
 
@@ -152,8 +159,11 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
                  .to(out.dtype.element_ty))
 
     @triton.jit
-    def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, H: tl.constexpr, G: tl.constexpr,
-                      GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr):
+    def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, top, init, local, H: tl.constexpr,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
+        """The queries of row r and KV head h over its `top` blocks: `blocks` [nb] selected ones (-1: none); or, with
+        NB, from its nb block scores, `select_blocks`' choice made here: the best key at a time (tl.argmax: ties to the
+        lower block), forced blocks' keys +inf, blocks past the query's own (seen) -inf, none from the seen-th on."""
         r, h = tl.program_id(0), tl.program_id(1)
         last = tl.load(q_pos + r)
         g, d, j = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BS)
@@ -161,8 +171,17 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         qv = (tl.load(q + at, mask=g[:, None] < G, other=0.0).to(tl.float32) * scale).to(k.dtype.element_ty)
         m, total = tl.full([GP], float("-inf"), tl.float32), tl.zeros([GP], tl.float32)
         acc = tl.zeros([GP, D], tl.float32)
-        for i in range(0, nb):  # (the selected blocks; -1: unused, no key)
-            blk = tl.load(blocks + (r * H + h) * nb + i)
+        seen = last // BS + 1
+        if NB > 0:
+            b = tl.arange(0, NB)
+            key = tl.load(blocks + (r * H + h) * nb + b, mask=b < seen, other=float("-inf"))
+            key = tl.where((b < seen) & ((b < init) | (b >= seen - local)), float("inf"), key)
+        for i in range(0, top):
+            if NB > 0:
+                blk = tl.argmax(key, 0)
+                key, blk = tl.where(b == blk, float("-inf"), key), tl.where(i < seen, blk, -1)
+            else:
+                blk = tl.load(blocks + (r * H + h) * nb + i)
             pos = blk * BS + j
             ok = (pos >= 0) & (pos <= last)  # (a block of -1: negative positions)
             slot = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)

@@ -1,6 +1,7 @@
 """The lightning indexer's decode step on CUDA as Triton kernels (model.md §3.2-§3.3): a row's block scores over its
-own keys (their count read from `lengths`, as triton_decode's attention reads it), then its top-k blocks. Elsewhere,
-and for good after a failed launch, indexer.py's forms serve (`block_scores` over the gathered keys, `select_blocks`)."""
+own keys (their count read from `lengths`, as triton_decode's attention reads it), then its top-k blocks, chosen by
+triton_decode's block attention kernel as it attends. Elsewhere, and for good after a failed launch, indexer.py's
+forms serve (`block_scores` over the gathered keys, `select_blocks`)."""
 
 import torch
 
@@ -17,13 +18,15 @@ def decode_block_scores(iq: torch.Tensor, ik_buf: torch.Tensor, key_slots: torch
     return scores(iq, ik_buf, key_slots, lengths, block_size)
 
 
-def decode_select(scores: torch.Tensor, q_pos: torch.Tensor, masks: tuple | None, block_size: int, topk: int,
-                  init: int, local: int) -> torch.Tensor:
-    """`select_blocks` of a decode step's block scores [B, H, nb] (queries at q_pos [B]) -> [B, H, topk]: Triton's
-    kernel where it runs, else under `masks`, the step's `block_masks` (made here if a launch failed this step)."""
-    if triton_decode.serves(scores.device):
-        return _select(scores, q_pos, block_size, topk, init, local)
-    return _selected(scores, q_pos, block_size, topk, init, local, masks)
+def decode_sparse_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, key_slots: torch.Tensor,
+                            scores: torch.Tensor, q_pos: torch.Tensor, masks: tuple | None, block_size: int, topk: int,
+                            init: int, local: int, scale: float) -> torch.Tensor:
+    """`block_attention` of q [B, H, G, D] over the blocks `select_blocks` picks from a decode step's block scores
+    [B, H, nb] (queries at q_pos [B]): one Triton kernel where it runs, its programs selecting as they attend; else
+    under `masks`, the step's `block_masks` (made here if a launch failed this step)."""
+    if triton_decode.usable(q, k_buf, block_size):
+        return _select_attend(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, topk, init, local, scale)
+    return _selected_attention(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, topk, init, local, scale, masks)
 
 
 def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
@@ -34,6 +37,11 @@ def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
 def _selected(scores, q_pos, block_size, topk, init, local, masks=None):
     masks = block_masks(q_pos[:, None], scores.shape[-1], block_size, topk, init, local) if masks is None else masks
     return select_blocks(scores[:, :, None], masks)[:, :, 0]
+
+
+def _selected_attention(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, topk, init, local, scale, masks=None):
+    blocks = _selected(scores, q_pos, block_size, topk, init, local, masks)
+    return triton_decode.paged_block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
 
 
 @kernel_op("(Tensor iq, Tensor ik_buf, Tensor key_slots, Tensor lengths, int block_size) -> Tensor", _gathered_scores,
@@ -48,14 +56,10 @@ def _scores(iq, ik_buf, key_slots, lengths, block_size):
     return out
 
 
-@kernel_op("(Tensor scores, Tensor q_pos, int block_size, int topk, int init, int local) -> Tensor", _selected,
-           fake=lambda s, q_pos, bs, topk, *_: s.new_empty(*s.shape[:2], topk, dtype=torch.int64))
-def _select(scores, q_pos, block_size, topk, init, local):
-    (b, h, nb), k = scores.shape, topk
-    out = torch.empty(b, h, k, dtype=torch.int64, device=scores.device)
-    _select_kernel[(b, h)](scores.contiguous(), q_pos.contiguous(), out, nb, init, local, H=h, K=k, BS=block_size,
-                           NB=triton.next_power_of_2(nb))
-    return out
+@kernel_op("(Tensor q, Tensor k_buf, Tensor v_buf, Tensor key_slots, Tensor scores, Tensor q_pos, int block_size, "
+           "int topk, int init, int local, float scale) -> Tensor", _selected_attention)
+def _select_attend(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, topk, init, local, scale):
+    return triton_decode.launch_blocks(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, scale, (topk, init, local))
 
 
 if triton is not None:
@@ -76,17 +80,3 @@ if triton is not None:
             kv = tl.load(ik + at, mask=ok[:, None], other=0.0)
             sc = tl.where(ok[None, :], tl.dot(qv, tl.trans(kv), input_precision="ieee"), float("-inf"))  # [HP, BS]
             tl.store(out + (r * H + h) * nb + blk, tl.max(sc, 1), mask=h < H)
-
-    @triton.jit
-    def _select_kernel(scores, q_pos, out, nb, init, local, H: tl.constexpr, K: tl.constexpr, BS: tl.constexpr,
-                       NB: tl.constexpr):
-        """`select_blocks` of one row and head: the K best keys one at a time (tl.argmax: ties to the lower block),
-        forced blocks' keys +inf, blocks past the query's own (v) -inf, slots from v on -1."""
-        r, h, b = tl.program_id(0), tl.program_id(1), tl.arange(0, NB)
-        v = tl.load(q_pos + r) // BS + 1
-        key = tl.load(scores + (r * H + h) * nb + b, mask=b < v, other=float("-inf"))
-        key = tl.where((b < v) & ((b < init) | (b >= v - local)), float("inf"), key)
-        for i in tl.static_range(K):
-            best = tl.argmax(key, 0)
-            tl.store(out + (r * H + h) * K + i, tl.where(i < v, best.to(tl.int64), -1))
-            key = tl.where(b == best, float("-inf"), key)

@@ -1,7 +1,7 @@
 """The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
 each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
 and k and v written to the pool 10, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped and its shared expert
-3 more, the race 34): a bf16 tiny decode step 559 -> 119 kernels with triton_indexer's. Each computes in float32, rounding once.
+3 more, the race 34): a bf16 tiny decode step 559 -> 107 kernels with triton_indexer's. Each computes in float32, rounding once.
 Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
@@ -29,16 +29,16 @@ def rms_norm(x, weight, eps):
     return _rms(x, None, weight, eps)[1]
 
 
-@_op("(Tensor x, Tensor delta, Tensor weight, float eps) -> (Tensor, Tensor)",
-     fake=lambda x, *_: (torch.empty_like(x), torch.empty_like(x)))
-def add_rms_norm(x, delta, weight, eps):
+@_op("(Tensor x, Tensor delta, Tensor weight, float eps, ScalarType? dtype=None) -> (Tensor, Tensor)",
+     fake=lambda x, d, w, e, dtype=None: (torch.empty_like(x), torch.empty_like(x, dtype=dtype)))
+def add_rms_norm(x, delta, weight, eps, dtype=None):
     """layers.add_rms_norm: (x + delta, its norm), one kernel."""
-    return _rms(x, delta, weight, eps)
+    return _rms(x, delta, weight, eps, dtype)
 
 
-def _rms(x, delta, weight, eps):
+def _rms(x, delta, weight, eps, dtype=None):
     n, x = x.shape[-1], x.contiguous()
-    h, out = x if delta is None else torch.empty_like(x), torch.empty_like(x)
+    h, out = x if delta is None else torch.empty_like(x), torch.empty_like(x, dtype=dtype)
     _rms_kernel[(x.numel() // n,)](x, x if delta is None else delta.contiguous(), weight, h, out, n, eps,
                                    N=(p := triton.next_power_of_2(n)), ADD=delta is not None,
                                    num_warps=max(4, min(16, p // 1024)))  # (a row's values in registers)
@@ -84,13 +84,13 @@ def route(logits, bias, top_k, scale):
 
 
 @_op("(Tensor x, Tensor ids, Tensor w, Tensor w13, Tensor w2, float alpha, float limit, Tensor? s13=None, "
-     "Tensor? s2=None) -> Tensor")
+     "Tensor? s2=None) -> Tensor", fake=lambda x, ids, w, w13, w2, *_: w2.new_empty(x.shape))
 def gathered_experts(x, ids, w, w13, w2, alpha, limit, s13=None, s2=None):
     """layers.gathered_experts in two kernels, each (token, expert) pair reading its expert's rows in place (the shared
     expert s13, s2 one more pair a token, of weight 1): every pair's activations, then each token's weighted sum."""
     (t, h), (k, i), x, ids, w = x.shape, (ids.shape[1], w2.shape[2]), x.contiguous(), ids.contiguous(), w.contiguous()
     si = 0 if s2 is None else s2.shape[1]  # (the shared expert's intermediate size; 0: none)
-    ks, act, out = k + (si > 0), x.new_empty(t * (k + (si > 0)), max(i, si)), torch.empty_like(x)
+    ks, act, out = k + (si > 0), w13.new_empty(t * (k + (si > 0)), max(i, si)), w2.new_empty(t, h)  # (x: either dtype)
     _experts_up_kernel[(t * ks, triton.cdiv(max(i, si), 32))](x, ids, w13, w13 if s13 is None else s13, act, h, i, si,
                                                               alpha, limit, K=k, KS=ks, BI=32, BH=128, num_warps=8)
     _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, w2 if s2 is None else s2, out, h, i, si, K=k, KS=ks,
@@ -125,8 +125,8 @@ if triton is not None:
             tl.store(h + at, v, mask=ok)
             v = v.to(tl.float32)
         v = v * tl.rsqrt(tl.sum(v * v, 0) / n + eps)
-        tl.store(out + at, (v + v * tl.load(w + tl.arange(0, N), mask=ok).to(tl.float32)).to(out.dtype.element_ty),
-                 mask=ok)
+        v = (v + v * tl.load(w + tl.arange(0, N), mask=ok).to(tl.float32)).to(h.dtype.element_ty)  # (x's dtype, then
+        tl.store(out + at, v.to(out.dtype.element_ty), mask=ok)  # out's: the values of a norm in x's dtype)
 
     @triton.jit
     def _norm_rope_kernel(y, w1, w2, rot, out, stride, heads, first, eps, k_buf, v_buf, loc, v, v_stride, vn,

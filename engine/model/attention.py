@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from engine.kernels import triton_decode
 from engine.kernels.triton_decode import block_attention, decode_attention
-from engine.kernels.triton_indexer import decode_block_scores, decode_select
+from engine.kernels.triton_indexer import decode_block_scores, decode_sparse_attention
 from engine.model.config import ModelConfig
 from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.indexer import block_masks, block_scores, select_blocks
@@ -47,9 +47,8 @@ def _decode(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, b: DecodeBa
         o = decode_attention(qh, k_buf, v_buf, b.key_slots, lengths, scale)
     else:  # NOTE: for any context length: with at most K blocks visible, all are selected (model.md §3.3)
         scores = decode_block_scores(iq, pool.get_index_k_buffer(layer_id), b.key_slots, lengths, cfg.block_size)
-        blocks = decode_select(scores, b.positions, selection, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
-                               cfg.local_blocks)
-        o = sparse_attend(q, k_buf, v_buf, b.key_slots, blocks, b.positions, cfg.block_size, scale)
+        o = decode_sparse_attention(qh, k_buf, v_buf, b.key_slots, scores, b.positions, selection, cfg.block_size,
+                                    cfg.topk_blocks, cfg.init_blocks, cfg.local_blocks, scale)
     u = None
     if kind == "sparse_index_kv":  # index-value branch: dense over the whole history (model.md §4)
         ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)

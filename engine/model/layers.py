@@ -43,12 +43,14 @@ def norm_rope(y: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, first: int, r
     return out
 
 
-def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple:
-    """(h, rms_norm(h)) for h = x + delta: a residual add and the norm after it, one kernel on CUDA."""
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                 dtype: torch.dtype | None = None) -> tuple:
+    """(h, rms_norm(h)) for h = x + delta: a residual add and the norm after it, one kernel on CUDA; the norm's values
+    (rounded to x's dtype) held in `dtype` where given."""
     if fused.serves(x):
-        return fused.add_rms_norm(x, delta, weight, eps)
+        return fused.add_rms_norm(x, delta, weight, eps, dtype)
     h = x + delta
-    return h, rms_norm(h, weight, eps)
+    return h, rms_norm(h, weight, eps).to(dtype or x.dtype)
 
 
 class GemmaRMSNorm(nn.Module):
@@ -59,9 +61,9 @@ class GemmaRMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps)
 
-    def add(self, x: torch.Tensor, delta: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, its norm); where delta is None (the first layer's), (x, its norm)."""
-        return (x, self(x)) if delta is None else add_rms_norm(x, delta, self.weight, self.eps)
+    def add(self, x: torch.Tensor, delta: torch.Tensor | None, dtype: torch.dtype | None = None) -> tuple:
+        """(x + delta, its norm, in `dtype` where given); where delta is None (the first layer's), (x, its norm)."""
+        return (x, self(x)) if delta is None else add_rms_norm(x, delta, self.weight, self.eps, dtype)
 
 
 def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -97,6 +99,8 @@ def swiglu_oai(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tenso
 class GatedMLP(nn.Module):
     """Dense SwiGLU-OAI MLP with a fused [gate | up] projection."""
 
+    input_dtype: torch.dtype | None = None  # (the model's)
+
     def __init__(self, hidden: int, inter: int, alpha: float, limit: float) -> None:
         super().__init__()
         self.alpha, self.limit = alpha, limit
@@ -130,7 +134,8 @@ def gathered_experts(x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, w13: t
     """sum_s w[t, s] * W2_e swiglu_oai(W13_e x[t]) with e = ids[t, s] (`moe_experts`'s math); with s13, s2, plus the
     shared expert's. NOTE: as multiply-and-sum, inductor reads the k experts' rows in place (one kernel, no gathered
     copy): 85 vs 126 us a layer for an einsum."""
-    if s13 is not None:  # (the Triton form's signature: it takes the shared expert as one more pair)
+    x = x.to(w13.dtype)  # (the Triton form's signature: its x may be in the router's dtype; the shared expert a pair)
+    if s13 is not None:
         return gathered_experts(x, ids, w, w13, w2, alpha, limit) + F.linear(swiglu_oai(x @ s13.T, alpha, limit), s2)
     if x.shape[0] > GATHER_ROWS:  # (in pieces: the gathered weights are k expert copies a token)
         return torch.cat([gathered_experts(x[i:i + GATHER_ROWS], ids[i:i + GATHER_ROWS], w[i:i + GATHER_ROWS], w13, w2,
@@ -153,6 +158,8 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, scale: float) ->
 class MoE(nn.Module):
     """Sigmoid-routed experts with correction bias, routed scaling and an always-on shared expert:
     FFN(x) = gamma * sum_{e in E} w_e Expert_e(x) + Shared(x) (model.md §2)."""
+
+    input_dtype = torch.float32  # (the router's; the norm before it writes its values so: a cast kernel less)
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -177,12 +184,13 @@ class MoE(nn.Module):
         no sync (`grouped_kernel`), else the gathered experts. NOTE: C kernel / loop over experts / all experts, 64
         tokens: 0.51 / 0.80 / 1.54 ms."""
         ids, w = self.route(x, self.scale)  # (gamma on the k weights: sum_e (gamma w_e) Expert_e(x))
-        if on_kernel(x, self.w13, self.w2):
-            routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
-        elif fused.serves(x) and (not grouped_kernel(x) or (ids.numel() - self.w13.shape[0]) * (
-                self.w13[0].nbytes + self.w2[0].nbytes) <= PAIR_BYTES):
+        if fused.serves(x) and (not grouped_kernel(self.w13) or (ids.numel() - self.w13.shape[0]) * (
+                self.w13[0].nbytes + self.w2[0].nbytes) <= PAIR_BYTES):  # (x read in the dtype it comes in)
             shared = () if self.shared is None else (self.shared.gate_up_proj, self.shared.down_proj)  # (3 kernels less)
             return fused.gathered_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit, *shared)
+        x = x.to(self.w13.dtype)  # (from the router's dtype, `input_dtype`, to the experts')
+        if on_kernel(x, self.w13, self.w2):
+            routed = moe_experts(x, ids, w, self.w13, self.w2, self.alpha, self.limit)
         elif grouped_kernel(x):
             routed = self._grouped(x, ids, w)
         else:

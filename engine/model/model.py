@@ -60,7 +60,7 @@ class DecoderLayer(nn.Module):
         """The residual stream x + delta (delta: the last layer's MLP output, None at the first layer, added here with
         the norm after it) -> (the stream with this layer's attention output added, this layer's MLP output)."""
         x, n = self.input_layernorm.add(x, delta)
-        h, n = self.post_attention_layernorm.add(x, self.self_attn(n, rot, masks, batch, pool))
+        h, n = self.post_attention_layernorm.add(x, self.self_attn(n, rot, masks, batch, pool), self.mlp.input_dtype)
         return h, self.mlp(n)
 
 
