@@ -141,29 +141,54 @@ class _Launch:
         return lambda *args, **kwargs: self.ops.append(self.name)
 
 
-def test_a_bfloat16_decode_step_keeps_its_kernel_budget(monkeypatch):
-    """An eager bfloat16 decode step of configs/tiny past the top-k budget (4 rows of 300 tokens: block selection runs)
-    launches at most KERNEL_BUDGET kernels (`_Kernels`: what a captured CUDA graph replays, ~2 us each on an H200 at
-    small batches), through CUDA's forms: Triton's kernels (triton_decode, triton_pointwise), each launch one kernel. A change that adds kernels to
-    every layer or step fails here; lower the budget as they drop."""
-    model = load_model(TINY, dtype=torch.bfloat16)
-    paged = PagedModel(model, size=4 * 400 + 64, max_requests=4)
+LAUNCHES = ("_attend_kernel", "_combine_kernel", "_scores_kernel", "_block_kernel", "_rms_kernel", "_norm_rope_kernel",
+            "_swiglu_kernel", "_route_kernel", "_experts_up_kernel", "_experts_down_kernel")
+
+
+def _step_kernels(model_path, rows: int, monkeypatch) -> _Kernels:
+    """The kernels of an eager bfloat16 decode step of `rows` rows of 300 tokens (past the top-k budget: block
+    selection runs) through CUDA's forms: Triton's kernels (triton_decode, triton_pointwise), each launch one kernel."""
+    model = load_model(model_path, dtype=torch.bfloat16, load_format="dummy")
+    paged = PagedModel(model, size=rows * 400 + 64, max_requests=rows)
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, model.cfg.vocab_size, (300,), generator=g).tolist() for _ in range(4)]
+    prompts = [torch.randint(0, model.cfg.vocab_size, (300,), generator=g).tolist() for _ in range(rows)]
     kvs = [paged.kv.admit([]) for _ in prompts]
     batch = paged.decode_batch(kvs, [int(x[-1].argmax()) for x in paged.step(kvs, prompts)])
     k = _Kernels()
     monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: True)
-    launches = {"_attend_kernel": 2 + 3, "_combine_kernel": 2 + 3, "_scores_kernel": 6, "_block_kernel": 6,  # (dense and
-                "_rms_kernel": 17, "_norm_rope_kernel": 14, "_swiglu_kernel": 2, "_route_kernel": 6,  # index-value)
-                "_experts_up_kernel": 6, "_experts_down_kernel": 6}
-    for name in launches:
+    for name in LAUNCHES:
         module = next(m for m in (triton_decode, triton_indexer, triton_pointwise) if hasattr(m, name))
         monkeypatch.setattr(module, name, _Launch(k.ops, name))
     with torch.no_grad(), k:
         paged.decode_step(batch)
+    return k
+
+
+def test_a_bfloat16_decode_step_keeps_its_kernel_budget(monkeypatch):
+    """configs/tiny's step of 4 rows launches at most KERNEL_BUDGET kernels (`_Kernels`: what a captured CUDA graph
+    replays, ~2 us each on an H200 at small batches). A change that adds kernels to every layer or step fails here;
+    lower the budget as they drop."""
+    k = _step_kernels(TINY, 4, monkeypatch)
+    launches = {"_attend_kernel": 2 + 3, "_combine_kernel": 2 + 3, "_scores_kernel": 6, "_block_kernel": 6,  # (dense and
+                "_rms_kernel": 17, "_norm_rope_kernel": 14, "_swiglu_kernel": 2, "_route_kernel": 6,  # index-value)
+                "_experts_up_kernel": 6, "_experts_down_kernel": 6}
     assert {name: k.ops.count(name) for name in launches} == launches  # (block selection ran: its kernel)
     assert k.kernels() <= KERNEL_BUDGET, (k.kernels(), Counter(k.ops).most_common(12))
+
+
+def test_the_mid_size_models_batch_one_step_keeps_its_kernel_budget(tmp_path, monkeypatch):
+    """bench/gpu.py's mid-size model (12 layers: 2 dense, 5 sparse with the index-value branch, 5 score-only; 64
+    experts, top-4), at configs/tiny's widths (the kernels do not depend on them): its batch-1 step, whose time
+    against its weights' read time is the roofline target (~2 us a replayed kernel: 162 of them, ~0.32 ms, where
+    30% of its roofline is 0.53 ms a token), 244 kernels on 2026-12-05 before the last fusions."""
+    from bench.gpu import MID, MID_SPARSE
+    cfg = json.loads((Path(TINY) / "config.json").read_text())
+    cfg.update({k: v for k, v in MID.items() if k in ("num_hidden_layers", "num_local_experts", "num_experts_per_tok",
+                                                      "moe_layer_freq")})
+    cfg["sparse_attention_config"].update({k: v for k, v in MID_SPARSE.items() if "freq" in k or "disable" in k})
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    k = _step_kernels(tmp_path, 1, monkeypatch)
+    assert k.ops.count("_block_kernel") == 10 and k.kernels() <= 170, (k.kernels(), Counter(k.ops).most_common(12))
 
 
 EXTRAS = {"penalties": {"repetition_penalty": 1.2, "frequency_penalty": 0.5},

@@ -250,6 +250,9 @@ def test_mha_pools_basics() -> None:
     assert kv.get_key_buffer(2).dtype == torch.bfloat16 and float(kv.get_value_buffer(2)[3].sum()) == 16.0
     with pytest.raises(ValueError, match="does not fit"):
         kv.set_kv_buffer(0, torch.tensor([3, 4]), torch.ones(1, 2, 4), torch.ones(1, 2, 4))
+    with pytest.raises(ValueError, match="cache_v of shape"):  # (V refused: K not written either)
+        kv.set_kv_buffer(1, torch.tensor([5]), torch.ones(1, 2, 4), torch.ones(3))
+    assert not kv.get_key_buffer(1).any()
     with pytest.raises(LayerIdError, match=r"\[1, 4, 6\]"):
         kv.get_key_buffer(3)
     with pytest.raises(ValueError, match="global_layer_ids"):

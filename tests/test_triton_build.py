@@ -77,6 +77,7 @@ def _build_every_launch() -> None:
         with torch.no_grad():  # (and the sampler's race over the step's logits)
             sampler.race(paged.decode_step(batch), sampler.seed_hash(rows), rows, rows > 2, torch.ones(4),
                          sampler.token_hash(4096, torch.device("cpu")))
+            paged.step(kvs, [[5, 6]] * 4)  # (an extend: the block kernel given its blocks, not choosing them)
         triton_decode.serves, layers.on_kernel = lambda device, *dims: False, on_kernel
     seen = set()
     for kernel, args, constexprs in launches:

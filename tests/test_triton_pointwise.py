@@ -197,6 +197,39 @@ def test_a_pointwise_kernel_that_raises_leaves_the_pytorch_forms_serving(monkeyp
     assert "swiglu_oai" in caplog.text and triton_decode._failed and not triton_decode.serves(torch.device("cuda"))
 
 
+@pytest.mark.parametrize("failing", ["norm_rope", "experts", "select"])
+def test_a_failed_launch_of_the_fused_kernels_leaves_their_pytorch_forms_doing_all_of_it(monkeypatch, caplog, failing):
+    """The norm+RoPE kernel with a layer's buffers (K and V still written), the expert pairs with the shared expert
+    (still added), the block kernel choosing its blocks (still chosen): each op's fallback takes its whole arguments."""
+    monkeypatch.setattr(triton_decode, "_failed", [])
+    g = torch.Generator().manual_seed(9)
+    if failing == "norm_rope":
+        monkeypatch.setattr(fused, "_norm_rope_kernel", None)  # (its launch raises: None is not subscriptable)
+        y, w1, w2, v = _randn(3, 10 * 32, g=g), _randn(32, g=g), _randn(32, g=g), _randn(3, 2, 32, g=g)
+        rot = layers.rope_rotation(torch.tensor([4, 70, 900], device=DEVICE), layers.rope_inv_freq(16, 1e6).to(DEVICE),
+                                   torch.float32)
+        got, want = ([torch.zeros(6, 2, 32, device=DEVICE) for _ in "kv"] for _ in "gw")
+        loc = torch.tensor([5, 1, 3], device=DEVICE)
+        torch.testing.assert_close(fused.norm_rope(y, w1, w2, 8, rot, 1e-6, *got, loc, v),
+                                   layers.norm_rope(y, w1, w2, 8, rot, 1e-6, *want, loc, v))
+        assert all(torch.equal(a, b) for a, b in zip(got, want)) and got[1][5].abs().sum() > 0
+    elif failing == "experts":
+        monkeypatch.setattr(fused, "_experts_up_kernel", None)
+        x, w13, w2, s13, s2 = (_randn(*s, g=g, scale=0.3) for s in ((3, 64), (4, 192, 64), (4, 64, 96), (64, 64),
+                                                                    (64, 32)))
+        ids, w = torch.tensor([[0, 2], [1, 3], [2, 0]], device=DEVICE), torch.rand(3, 2, generator=g).to(DEVICE)
+        want = layers.gathered_experts(x, ids, w, w13, w2, 1.702, 7.0) + layers.swiglu_oai(x @ s13.T, 1.702, 7.0) @ s2.T
+        torch.testing.assert_close(fused.gathered_experts(x, ids, w, w13, w2, 1.702, 7.0, s13, s2), want)
+    else:
+        monkeypatch.setattr(triton_decode, "_block_kernel", None)
+        q, (k, v), scores = _randn(2, 2, 2, 32, g=g), (_randn(900, 2, 32, g=g) for _ in "kv"), _randn(2, 2, 12, g=g)
+        key_slots, q_pos = torch.randint(0, 900, (2, 768), generator=g).to(DEVICE), torch.tensor([700, 300], device=DEVICE)
+        blocks = select_blocks(scores[:, :, None], block_masks(q_pos[:, None], 12, 64, 4, 1, 1))[:, :, 0]
+        torch.testing.assert_close(triton_indexer._select_attend(q, k, v, key_slots, scores, q_pos, 64, 4, 1, 1, 0.2),
+                                   triton_decode.paged_block_attention(q, k, v, key_slots, blocks, q_pos, 64, 0.2))
+    assert "failed" in caplog.text and triton_decode._failed and not triton_decode.serves(torch.device("cuda"))
+
+
 def test_an_engine_draws_through_the_race_kernel_at_any_filters(monkeypatch):
     """The engine's sampling reaches the kernel (grad mode and all: it once did not), with top-p or without: a draw is
     one form whatever its batch-mates ask, and a seeded request's tokens are those it gets alone."""

@@ -9,6 +9,7 @@ import importlib
 import torch
 
 from engine.kernels import triton_decode
+from engine.kernels.operator import require
 from engine.kernels.triton_decode import kernel_op, tl, triton
 
 
@@ -51,6 +52,9 @@ def _rms(x, delta, weight, eps, dtype=None):
 def norm_rope(y, w1, w2, first, rot, eps, k_buf=None, v_buf=None, loc=None, v=None):
     """layers.norm_rope (y's and v's rows may be strided): a program a token's heads, the first also copying v."""
     (t, width), d = y.shape, w1.shape[0]
+    require((k_buf is None or loc is not None and k_buf.is_contiguous() and k_buf[0].numel() == width - first * d) and
+            (v is None) == (v_buf is None) and (v is None or v_buf.is_contiguous() and v_buf[0].numel() == v[0].numel()),
+            "norm_rope: k_buf [slots, heads - first, d] (contiguous) with loc, and v with v_buf", y, k_buf, v, v_buf)
     y = y if y.stride(1) == 1 else y.contiguous()
     v = y[:, :0] if v is None else v.flatten(1)  # (no values: none to copy)
     v, out = v if v.stride(1) == 1 else v.contiguous(), y.new_empty(t, width // d, d)

@@ -29,8 +29,8 @@ def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Fo
 # ---- decode: one query per row, fixed shapes -------------------------------------------------------------
 def decode_masks(b: DecodeBatch, cfg: ModelConfig) -> tuple:
     """What every layer of a decode step reads alike, made once a step: each row's key count (its position + 1)
-    and, with sparse layers where Triton's selection kernel does not run, the block selection's `block_masks`."""
-    if not cfg.any_sparse or triton_decode.serves(b.positions.device):
+    and, with sparse layers where Triton's block kernel (it selects) does not run, the selection's `block_masks`."""
+    if not cfg.any_sparse or triton_decode.serves(b.positions.device, cfg.head_dim, cfg.block_size):
         return b.positions + 1, None
     nb = -(-b.key_slots.shape[1] // cfg.block_size)
     return b.positions + 1, block_masks(b.positions[:, None], nb, cfg.block_size, cfg.topk_blocks, cfg.init_blocks,
