@@ -93,6 +93,20 @@ def decode_steps(e: Engine, rows: int, new: int, temperature: float, prompt_len:
             "tok_s": round(rows / statistics.median(steady), 1)}
 
 
+def prefill_ms(e: Engine, rows: int, prompt_len: int) -> float:
+    """Milliseconds from `rows` new prompts to their first tokens, offline: the extend steps (eager: each request an
+    SDPA call a layer; the first burst of the server test pays this), then one token each."""
+    params = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0.0})
+    e.flush_cache()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    e.add_requests([NewRequest(prompt(5000 + i, prompt_len, 4000), params) for i in range(rows)])
+    while e.has_work():
+        e.step()
+    torch.cuda.synchronize()
+    return round(1e3 * (time.perf_counter() - t), 2)
+
+
 def replay_ms(e: Engine, rows: int) -> float:
     """Milliseconds of one replay of the (rows, shortest keys) graph alone: the step's GPU time, no host work."""
     graphs = e._runner.graphs
@@ -198,6 +212,8 @@ def offline() -> dict:
                              ("rows256_greedy", 256, 0.0)):
         out[name] = decode_steps(e, rows, 128, temp)
     out["graphs_after"] = e._runner.graphs.info()
+    out["prefill_ms"] = {f"{r}x{n}": [prefill_ms(e, r, n) for _ in range(3)] for r, n in ((1, 128), (64, 128),
+                                                                                          (1, 2048))}
     out["trace"] = {f"{rows}_t{temp}": step_trace(e, rows, temp) for rows, temp in ((64, 0.0), (64, 0.8), (1, 0.0))}
     out["temp_over_greedy_64"] = round(out["rows64_t08"]["step_ms"] / out["rows64_greedy"]["step_ms"], 3)
     # (long contexts on the graphs: a step's cost grows with its rows' keys, the graph is the same; before the Triton
