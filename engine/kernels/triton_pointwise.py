@@ -1,8 +1,8 @@
 """The decoder's pointwise chains, the MoE's routing and experts and the sampler's race on CUDA as Triton kernels, one
 each where the PyTorch forms launch several (RMSNorm 3, 4 with the residual add before it, q with k normed and rotated
 and k and v written to the pool 10, SwiGLU-OAI 6, top-k routing 6, the MoE's pairs 13 grouped and its shared expert
-3 more, the race 34): a bf16 tiny decode step 559 -> 107 kernels with triton_indexer's. Each computes in float32, rounding once.
-Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
+3 more, the race 34): a bf16 tiny decode step 559 -> 107 kernels with triton_indexer's. Each computes in float32,
+rounding once. Callers ask `serves`; their forms serve elsewhere, and for good after a failure."""
 
 import importlib
 
@@ -94,9 +94,10 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit, s13=None, s2=None):
     expert s13, s2 one more pair a token, of weight 1): every pair's activations, then each token's weighted sum."""
     (t, h), (k, i), x, ids, w = x.shape, (ids.shape[1], w2.shape[2]), x.contiguous(), ids.contiguous(), w.contiguous()
     si = 0 if s2 is None else s2.shape[1]  # (the shared expert's intermediate size; 0: none)
-    ks, act, out = k + (si > 0), w13.new_empty(t * (k + (si > 0)), max(i, si)), w2.new_empty(t, h)  # (x: either dtype)
-    _experts_up_kernel[(t * ks, triton.cdiv(max(i, si), 32))](x, ids, w13, w13 if s13 is None else s13, act, h, i, si,
-                                                              alpha, limit, K=k, KS=ks, BI=32, BH=128, num_warps=8)
+    ks, wide = k + (si > 0), max(i, si)  # (pairs a token; an activation row's width)
+    act, out = w13.new_empty(t * ks, wide), w2.new_empty(t, h)  # (x: either dtype)
+    _experts_up_kernel[(t * ks, triton.cdiv(wide, 32))](x, ids, w13, w13 if s13 is None else s13, act, h, i, si, alpha,
+                                                        limit, K=k, KS=ks, BI=32, BH=128, num_warps=8)
     _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, w2 if s2 is None else s2, out, h, i, si, K=k, KS=ks,
                                                   BO=32, BI=128, num_warps=8)
     return out
