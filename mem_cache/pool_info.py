@@ -1,6 +1,5 @@
-"""Layer kinds, buffer names and their routing records (model.md §5), and the introspection and self-check of
-`MiniMaxSparseKVPool`: metadata, never tensor contents (GET /pools..., http_api.md §6); generic code asks here
-first, so it never has to catch an exception to learn what a layer lacks."""
+"""Layer kinds, buffer names and their routes (model.md §5), and `MiniMaxSparseKVPool`'s introspection and self-check:
+metadata, never tensor contents (GET /pools..., http_api.md §6). Generic code asks here what a layer lacks."""
 
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -15,9 +14,8 @@ from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool, check_layer
 DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY = "dense", "sparse_index_kv", "sparse_k_only"
 LAYER_KINDS: tuple[str, ...] = (DENSE, SPARSE_INDEX_KV, SPARSE_K_ONLY)
 BUFFER_NAMES: tuple[str, ...] = ("key", "value", "index_key", "index_value")  # the introspection API's (http_api.md §6)
-KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({
-    DENSE: frozenset({"key", "value"}), SPARSE_INDEX_KV: frozenset({"key", "value", "index_key", "index_value"}),
-    SPARSE_K_ONLY: frozenset({"key", "value", "index_key"})})
+KIND_BUFFERS: MappingProxyType[str, frozenset[str]] = MappingProxyType({DENSE: frozenset({"key", "value"}),
+    SPARSE_INDEX_KV: frozenset(BUFFER_NAMES), SPARSE_K_ONLY: frozenset({"key", "value", "index_key"})})
 
 
 @dataclass(frozen=True)

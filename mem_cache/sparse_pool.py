@@ -24,8 +24,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def __init__(self, size: int, dtype: torch.dtype, layer_kinds: Sequence[str], head_num: int, head_dim: int,
                  index_head_dim: int, device: str | torch.device = "cpu") -> None:
         self.layer_kinds = validate_layer_kinds(layer_kinds)
-        self.num_layers = len(self.layer_kinds)
-        self.size, self.dtype, self.device = size, dtype, torch.device(device)
+        self.num_layers, self.size, self.dtype, self.device = len(self.layer_kinds), size, dtype, torch.device(device)
         self.head_num, self.head_dim, self.index_head_dim = head_num, head_dim, index_head_dim
         self.main_pool = MHATokenToKVPool(size, dtype, head_num, head_dim, self.num_layers, self.device, "main_pool")
 

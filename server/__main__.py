@@ -33,9 +33,8 @@ class GracefulServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        # NOTE: runs as a Python signal handler on the main thread (the loop's thread), between two bytecodes of
-        # whatever the loop was doing: only flag and schedule here. The signal is not recorded in
-        # `_captured_signals`, so uvicorn will not re-raise it at exit: a drained shutdown is a clean exit 0.
+        # NOTE: a signal handler on the loop's (main) thread, between two bytecodes of whatever it was doing: only flag
+        # and schedule here. Not in `_captured_signals`, so uvicorn does not re-raise it: a drained shutdown exits 0.
         if self._draining or self._loop is None:
             if sig == signal.SIGINT:
                 self.force_exit = True

@@ -42,8 +42,7 @@ def _validation_message(exc: RequestValidationError, content_type: str) -> str:
 
 def refused(request: Request, status: int, message: str, extra: dict | None = None, headers: dict | None = None,
             logged: bool = False) -> JSONResponse:
-    """The error response of a request that ended in an exception handler, and its access-log line
-    (unless its Submission wrote one): refused requests are logged like served ones."""
+    """An exception handler's error response, and its access-log line (unless its Submission wrote one)."""
     if not logged:
         started = request.scope.get("state", {}).get("started", time.monotonic())
         log_access("-", "-", 0, time.monotonic() - started, status, "error", request.url.path)

@@ -158,9 +158,8 @@ def prompt_logprobs(tok: Tokenizer, lp: Logprobs | None, k: int | None) -> list[
 
 
 def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """Render the messages with the chat template and tokenize (the template already holds any BOS). With
-    continue_final_message the last (assistant) message stays open: the template renders a sentinel in its place
-    and the prompt is cut there, so the model continues the message's text."""
+    """Render the messages with the chat template and tokenize (the template holds any BOS). continue_final_message
+    keeps the last (assistant) message open: the prompt is cut where a sentinel renders in its place."""
     messages = [m.model_dump() for m in req.messages]
     kwargs = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KEYS}
     def render(msgs: list[dict[str, Any]], add_generation_prompt: bool) -> str:

@@ -56,7 +56,6 @@ class SamplingFields(BaseModel):
         return self
 
     def unsupported(self) -> str | None:
-        """The first requested feature this server does not implement, if any."""
         for name in ("regex", "json_schema", "ebnf"):
             if getattr(self, name) is not None:
                 return f"{name} (constrained decoding) is not supported by this server."

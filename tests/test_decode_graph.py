@@ -154,3 +154,20 @@ def test_the_compiled_graphs_take_the_cuda_captures_static_inputs(paged):
         assert (captured - paged.decode_step(batch)).abs().max().item() < 1e-5
     info = paged.runner.graphs.info()
     assert info["guard_misses"] == info["eager_steps"] == 0 and info["compiled"], info
+
+
+def test_an_eager_step_runs_at_the_graphs_key_width(tiny3, monkeypatch):
+    """Where Triton's kernels serve (CUDA), a step past the graphs (or with none) runs eager at their one key width:
+    the block kernel is built for its block count, once. The wider table's columns are padding, masked: same logits."""
+    from engine.runtime import decode_graph
+
+    p, widths = PagedModel(load_model(tiny3), size=4096, max_requests=4), []
+    step = decode_graph.decode_step
+    monkeypatch.setattr(decode_graph, "decode_step", lambda m, pool, b: widths.append(b.key_slots.shape[1]) or step(m, pool, b))
+    kvs = [p.kv.admit([]) for _ in range(3)]
+    last = [int(x[-1].argmax()) for x in p.step(kvs, [[5 + i] * (300 + 7 * i) for i in range(3)])]
+    batch = p.decode_batch(kvs, last)
+    narrow = p.runner.graphs.run(batch)
+    monkeypatch.setattr(p.runner.graphs, "_wide", 1024)
+    torch.testing.assert_close(p.runner.graphs.run(batch), narrow, rtol=0, atol=1e-5)
+    assert widths == [batch.key_slots.shape[1], 1024] and batch.key_slots.shape[1] < 1024

@@ -6,6 +6,7 @@ constexprs, in a process without the interpreter (conftest.py turns it on)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import triton_decode
 
@@ -29,6 +31,55 @@ def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     built = [line.split() for line in p.stdout.splitlines() if line.startswith("built ")]
     assert {name for _, name, _ in built} == KERNELS and {dtype for *_, dtype in built} == {"bf16", "fp32"}, built
+
+
+def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
+    """Nothing is built once /health is 200: Triton builds a kernel for each new key of a launch (its constexprs, its
+    arguments' dtypes, and which integers and pointers are multiples of 16, unless told not to look). Every launch of
+    extends (alone, mixed with a decoding request past the top-k budget, at the allocator's odd offsets) and of decode
+    steps (the one key width CUDA runs) carries a key that `build_kernels` (CUDA's start-up) launched."""
+    import inspect
+
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    from engine.kernels import triton_indexer, triton_pointwise
+    from engine.model import layers
+    from engine.model.loader import load_model
+    from engine.runtime.decode_graph import build_kernels
+    from tests.engine_utils import TINY
+    from tests.forward_utils import PagedModel
+
+    def keys() -> set:
+        out = set()
+        for kernel, args, constexprs in launches:
+            jit, params = kernel.kwargs, inspect.signature(kernel.fn).parameters.values()  # (the interpreter's function)
+            out.add((kernel.__name__, tuple(sorted(constexprs.items())), tuple(
+                a if "constexpr" in str(p.annotation) else native_specialize_impl(
+                    BaseBackend, a, False, p.name not in (jit["do_not_specialize"] or ()),
+                    p.name not in (jit["do_not_specialize_on_alignment"] or ()))
+                for p, a in zip(params, args))))
+        launches.clear()
+        return out
+
+    launches, wide = [], 1024
+    for module in (triton_decode, triton_indexer, triton_pointwise):
+        for name in KERNELS & set(vars(module)):
+            monkeypatch.setattr(module, name, _Recorder(getattr(module, name), launches))
+    paged = PagedModel(load_model(TINY, dtype=torch.bfloat16), size=4096, max_requests=4)
+    monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: True)  # (CUDA's forms; outputs left unwritten)
+    monkeypatch.setattr(layers, "on_kernel", lambda *tensors: False)
+    build_kernels(paged.runner.model, paged.pool, wide)
+    built = keys()
+    kvs = [paged.kv.admit([]) for _ in range(3)]
+    paged.step(kvs[:1], [[3] * 3])  # (the allocator's next slots at an odd offset)
+    paged.step(kvs[:2], [[4] * 299, list(range(5, 42))])
+    paged.step(kvs, [[6], [7], list(range(9, 318))])  # (one query past the budget, mixed with extends)
+    with torch.no_grad():
+        batch = paged.decode_batch(kvs, [8, 9, 10])
+        paged.decode_step(dataclasses.replace(batch, key_slots=F.pad(batch.key_slots, (0, wide - 320))))
+    new = keys() - built
+    assert not new, '\n'.join(map(str, sorted(new, key=str)))
 
 
 class _Recorder:

@@ -158,7 +158,7 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         tl.store(out + (rh * g + tl.program_id(1)) * D + d, (tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0))
                  .to(out.dtype.element_ty))
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["slot_stride"])  # (an extend's: a query's key count, or 0; one build serves all)
     def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, top, init, local, H: tl.constexpr,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
         """The queries of row r and KV head h over its `top` blocks: `blocks` [nb] selected ones (-1: none); or, with

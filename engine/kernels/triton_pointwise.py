@@ -133,7 +133,7 @@ if triton is not None:
         v = (v + v * tl.load(w + tl.arange(0, N), mask=ok).to(tl.float32)).to(h.dtype.element_ty)  # (x's dtype, then
         tl.store(out + at, v.to(out.dtype.element_ty), mask=ok)  # out's: the values of a norm in x's dtype)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["loc"])  # (the allocator's slices: any offset; one build serves all)
     def _norm_rope_kernel(y, w1, w2, rot, out, stride, heads, first, eps, k_buf, v_buf, loc, v, v_stride, vn,
                           HP: tl.constexpr, D: tl.constexpr, R: tl.constexpr, STORE: tl.constexpr, VB: tl.constexpr):
         """Token t's heads h [HP, D]: normed, and channel c < R rotated with its pair's mate c +- R/2 (model.md §3.1):

@@ -1,7 +1,6 @@
-"""config.json -> ModelConfig, from either shape (model.md §1), maybe inside a multimodal config's `text_config`:
-- the original MiniMax shape: a `sparse_attention_config` dict and `moe_layer_freq`;
-- the transformers-native shape (`model_type: minimax_m3_vl_text`): flat `index_*` keys,
-  `layer_types`, `mlp_layer_types` and `rope_parameters`."""
+"""config.json -> ModelConfig, from either shape (model.md §1), maybe inside a multimodal config's `text_config`: the
+original MiniMax shape (a `sparse_attention_config` dict and `moe_layer_freq`) or the transformers-native one
+(`model_type: minimax_m3_vl_text`: flat `index_*` keys, `layer_types`, `mlp_layer_types` and `rope_parameters`)."""
 
 import json
 import logging
@@ -71,10 +70,9 @@ def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
                      f"entries must be 'full_attention' or 'minimax_m3_sparse', got {t!r}")
         # transformers has no index-value branch: every sparse layer is score-only (K-only).
         kinds = ["sparse_k_only" if i < len(types) and types[i] == "minimax_m3_sparse" else "dense" for i in range(n)]
-        return dict(layer_kinds=tuple(kinds), index_num_heads=int(_get(d, "index_n_heads", 4)),
-                    index_head_dim=int(_get(d, "index_head_dim", 128)),
-                    block_size=int(_get(d, "index_block_size", 128)), topk_blocks=int(_get(d, "index_topk_blocks", 16)),
-                    init_blocks=int(_get(d, "index_init_blocks", 0)),
+        return dict(layer_kinds=tuple(kinds), index_head_dim=int(_get(d, "index_head_dim", 128)),
+                    index_num_heads=int(_get(d, "index_n_heads", 4)), block_size=int(_get(d, "index_block_size", 128)),
+                    topk_blocks=int(_get(d, "index_topk_blocks", 16)), init_blocks=int(_get(d, "index_init_blocks", 0)),
                     local_blocks=int(_get(d, "index_local_blocks", 1)))
     sc = d.get("sparse_attention_config") or {}
     _require(isinstance(sc, dict), "sparse_attention_config", "must be an object")
@@ -113,7 +111,6 @@ def _moe_layers(d: dict[str, Any], shape: str, n: int) -> tuple[bool, ...]:
 
 
 def config_from_dict(raw: dict[str, Any]) -> ModelConfig:
-    """Build a validated ModelConfig from a parsed config.json (either shape, maybe wrapped)."""
     if not isinstance(raw, dict):
         raise ConfigError("config.json must hold a JSON object")
     d = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else raw

@@ -50,7 +50,6 @@ def _index_files(model_dir: Path) -> dict[str, tuple[Path, str]]:
 
 
 def load_weights(model: MiniMaxM3Model, model_dir: Path) -> None:
-    """Fill every parameter of `model` from the checkpoint in `model_dir`."""
     available = _index_files(model_dir)
     raw_name = {k: raw for k, (_, raw) in available.items()}
     open_file = cache(lambda path: safe_open(str(path), "pt"))  # (each file opened once, when first read)

@@ -12,9 +12,10 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 from engine.kernels import triton_decode
-from engine.model.forward_batch import DecodeBatch
+from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs, Step
 from engine.runtime.engine_args import EngineArgs
@@ -48,20 +49,28 @@ def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeB
     return model.compute_logits(model(batch, pool))
 
 
+@torch.no_grad()
+def build_kernels(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, keys: int) -> None:
+    """The shapes serving launches, run once at start-up so that Triton builds its kernels then, not on first traffic
+    (CUDA): a decode step `keys` wide, and an extend past the top-k budget (its block kernel, the experts' grouped form)."""
+    c = model.cfg  # (the extend: K + 1 blocks, at positions the rotation table has, every token to the padding slot 0)
+    z = torch.zeros(min((c.topk_blocks + 1) * c.block_size, c.max_position_embeddings), dtype=torch.int64).to(pool.device)
+    decode_step(model, pool, DecodeBatch.empty(1, keys, pool.device))
+    model(ForwardBatch(z, torch.arange(len(z), device=z.device), z, [Segment(0, len(z), 0, z)]), pool)
+
+
 class DecodeGraphs:
     def __init__(self, model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, buckets: tuple[int, ...],
                  device: torch.device, min_keys: int, max_keys: int, compile_cuda: bool = False) -> None:
         self.model, self.pool, self.buckets, self.device, self.min_keys = model, pool, buckets, device, min_keys
         self._compiled: set[int] = set()
         self.eager_steps, self._compiles_at_warm_up = 0, _compiles()  # (steps past the graphs; dynamo's graphs)
-        self.key_buckets, self._one, self._many = (), None, None
-        if not buckets:
-            return
+        self.key_buckets, self._one, self._many, self._wide = (), None, None, 0
         # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's sums, see graph_passes,
         # imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, saving the Python launch overhead of
         # ~150 kernels (3.1 vs 4.4 ms a step), and every other bucket (batch dynamic) without it, ~20 s less compile.
         # The wrapper is built apart from its kernels (at -O1): 9 s less cold compile, the step no slower.
-        if device.type == "cpu" or compile_cuda:
+        if buckets and (device.type == "cpu" or compile_cuda):
             one: dict = {}
             if device.type == "cpu":
                 from engine.runtime.graph_passes import BatchOneForms
@@ -71,15 +80,15 @@ class DecodeGraphs:
         if device.type != "cuda":
             return
         c, wide = model.cfg, self.key_width(max_keys)
-        with torch.no_grad():  # (Triton's kernels built now, for the served shapes: one that fails leaves key buckets)
-            decode_step(model, pool, DecodeBatch.empty(1, wide, device))
+        build_kernels(model, pool, wide)  # (one that fails leaves key buckets)
         if triton_decode.serves(device, c.head_dim, c.block_size, *[c.index_head_dim] * c.any_sparse):
-            self.key_buckets = (wide,)  # (any context: one graph a batch size)
+            self.key_buckets, self._wide = (wide,), wide  # (any context: one graph a batch size)
         else:
             top = min(CUDA_MAX_KEYS, max_keys)  # (min_keys, then powers of two up to the first >= top)
             self.key_buckets = (min_keys, *(1 << j for j in range(min_keys.bit_length(), 40)
                                                 if max(min_keys, 1 << j >> 1) < top))
-        self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
+        if buckets:
+            self._cuda = CudaGraphs(captured_step(model, pool, self._one, self._many), buckets, self.key_buckets, device)
 
     def key_width(self, need: int) -> int:
         """Key-table width for a longest row of `need` keys (on CUDA, its graph's key bucket: the first as wide)."""
@@ -127,6 +136,8 @@ class DecodeGraphs:
             if self.eager_steps == 1:
                 logger.info("a decode step of %d rows x %d keys is past the captured graphs: it runs eager (this "
                             "is said once)", rows, keys)
+            if self._wide:  # (as wide as the graphs: Triton's block kernel builds for its block count, a constexpr)
+                batch = dataclasses.replace(batch, key_slots=F.pad(batch.key_slots, (0, self._wide - width)))
             with torch.no_grad():
                 return decode_step(self.model, self.pool, batch)
         return self._cuda.run(batch, b, keys) if cuda else self._call(b, pad(batch, b))[:rows]

@@ -102,8 +102,7 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any] | None) -> "SamplingParams":
-        """Parse a JSON `sampling_params` object; null means "the default" except for `max_new_tokens`, where it
-        means no limit. `ValueError` for unknown keys and wrongly typed values."""
+        """Parse a JSON `sampling_params` object; null means "the default", but no limit for `max_new_tokens`."""
         if d is None:
             return cls()
         if not isinstance(d, Mapping):
@@ -115,7 +114,6 @@ class SamplingParams:
                       if v is not None or k == "max_new_tokens"})
 
     def verify(self, vocab_size: int) -> None:
-        """Raise `ValueError` with SGLang's message if a value is out of range."""
         t, m, seed = self.temperature, self.max_new_tokens, self.sampling_seed
         for name, ok, rule in (
                 ("temperature", math.isfinite(t) and t >= 0, "a non-negative finite number"),

@@ -134,8 +134,7 @@ def build_components(args: EngineArgs
         build_all()
     if args.dtype != "auto" and args.dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {args.dtype!r}")
-    auto = torch.bfloat16 if device.type == "cuda" else torch.float32  # NOTE: CPUs have no fast bf16
-    dtype = DTYPES.get(args.dtype, auto)
+    dtype = DTYPES.get(args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)  # (CPUs: no fast bf16)
     cfg, tokenizer = load_config(args.model_path), load_tokenizer(args)
     if (args.context_length or 0) > cfg.max_position_embeddings:  # (past it, no rotation: model.rope_table)
         raise ValueError(f"context_length {args.context_length} is longer than the model's max_position_embeddings "
