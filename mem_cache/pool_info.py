@@ -46,20 +46,8 @@ def elements_per_token(kind: str, head_num: int, head_dim: int, index_head_dim: 
 
 
 class SparsePoolInfoMixin:
-    """Introspection half of `MiniMaxSparseKVPool`; all `layer_id` arguments are GLOBAL layer ids."""
-
-    layer_kinds: tuple[str, ...]
-    num_layers: int
-    size: int
-    dtype: torch.dtype
-    device: torch.device
-    head_num: int
-    head_dim: int
-    index_head_dim: int
-    main_pool: MHATokenToKVPool
-    index_kv_pool: MHATokenToKVPool | None
-    index_k_pool: MHATokenToKOnlyPool | None
-    _routes: list[dict[str, BufferLocation | None]]
+    """Introspection half of `MiniMaxSparseKVPool`, over the attributes its `__init__` sets (`_routes`: per global
+    layer, each buffer's `BufferLocation`, or None where it lacks it); all `layer_id` arguments are GLOBAL layer ids."""
 
     def layer_kind(self, layer_id: int) -> str:
         check_layer_id(layer_id, self.num_layers)

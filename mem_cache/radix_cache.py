@@ -118,9 +118,8 @@ class RadixCache:
             if self.on_evict is not None:
                 path = self._path(node)[::-1]
                 self.on_evict([t for n in path for t in n.key], self._cat([n.value for n in path]))
-            parent = node.parent
+            parent, node.parent = node.parent, None  # NOTE: a detached node is recognized by parent None
             del parent.children[node.key[0]]
-            node.parent = None  # NOTE: a detached node is recognized by parent None
             freed.append(node)
             count += len(node.key)
             if parent is not self.root and not parent.children and parent.lock_ref == 0:

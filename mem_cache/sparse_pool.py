@@ -6,10 +6,9 @@ import torch
 
 from mem_cache import pool_info
 from mem_cache.kv_pool import MHATokenToKOnlyPool, MHATokenToKVPool
-from mem_cache.pool_info import BufferLocation, SparsePoolInfoMixin, elements_per_token, validate_layer_kinds
 
 
-class MiniMaxSparseKVPool(SparsePoolInfoMixin):
+class MiniMaxSparseKVPool(pool_info.SparsePoolInfoMixin):
     """Token-slot KV cache for a model mixing dense and block-sparse attention layers, over sub-pools that share
     its token slots (`size + 1` rows each, row 0 the padding slot):
     - `main_pool` (MHATokenToKVPool, head_num x head_dim): main K/V of EVERY layer, local id == global id.
@@ -23,7 +22,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
 
     def __init__(self, size: int, dtype: torch.dtype, layer_kinds: Sequence[str], head_num: int, head_dim: int,
                  index_head_dim: int, device: str | torch.device = "cpu") -> None:
-        self.layer_kinds = validate_layer_kinds(layer_kinds)
+        self.layer_kinds = pool_info.validate_layer_kinds(layer_kinds)
         self.num_layers, self.size, self.dtype, self.device = len(self.layer_kinds), size, dtype, torch.device(device)
         self.head_num, self.head_dim, self.index_head_dim = head_num, head_dim, index_head_dim
         self.main_pool = MHATokenToKVPool(size, dtype, head_num, head_dim, self.num_layers, self.device, "main_pool")
@@ -39,7 +38,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
         for pool, names in ((self.main_pool, ("key", "value")), (self.index_kv_pool, ("index_key", "index_value")),
                             (self.index_k_pool, ("index_key",))):
             for local, layer in enumerate(pool.global_layer_ids if pool is not None else []):
-                self._routes[layer] |= dict.fromkeys(names, BufferLocation(pool, local))
+                self._routes[layer] |= dict.fromkeys(names, pool_info.BufferLocation(pool, local))
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.main_pool.get_key_buffer(layer_id)
@@ -53,7 +52,7 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         self.main_pool.set_kv_buffer(layer_id, loc, cache_k, cache_v)
 
-    def _index_route(self, layer_id: int, buffer: str, accessor: str) -> BufferLocation:
+    def _index_route(self, layer_id: int, buffer: str, accessor: str) -> pool_info.BufferLocation:
         if (loc := self.buffer_location(layer_id, buffer)) is not None:
             return loc
         owners, what = self.layers_with(buffer), f"an index {buffer.removeprefix('index_')} buffer"
@@ -90,8 +89,8 @@ class MiniMaxSparseKVPool(SparsePoolInfoMixin):
     def bytes_per_token_for(layer_kinds: Sequence[str], head_num: int, head_dim: int, index_head_dim: int,
                             dtype: torch.dtype) -> int:
         """Bytes one token slot costs over all layers and buffers (model.md §5 times element size)."""
-        kinds = validate_layer_kinds(layer_kinds)
-        return dtype.itemsize * sum(elements_per_token(k, head_num, head_dim, index_head_dim) for k in kinds)
+        kinds = pool_info.validate_layer_kinds(layer_kinds)
+        return dtype.itemsize * sum(pool_info.elements_per_token(k, head_num, head_dim, index_head_dim) for k in kinds)
 
     @classmethod
     def size_for_budget(cls, budget_bytes: int, layer_kinds: Sequence[str], head_num: int, head_dim: int,

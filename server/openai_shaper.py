@@ -58,10 +58,9 @@ class CompletionShaper(_Shaper):
     def __init__(self, sub: Submission, req: CompletionRequest, tok: Tokenizer, prompts: list[list[int]],
                  given: list[Any], cache_report: bool) -> None:
         super().__init__(sub, req, tok, prompts, cache_report)
-        self.echo = bool(req.echo)
+        self.echo, self.started = bool(req.echo), [False] * len(sub.rids)
         self.texts = [p if isinstance(p, str) else tok.decode(p, skip_special_tokens=False) for p in given]
         self.offsets = [0] * len(sub.rids)  # text_offset of each sequence's next token
-        self.started = [False] * len(sub.rids)
 
     def choice(self, i: int, text: str, lp: Any, reason: Any, joined: Any) -> fmt.CompletionChoice:
         lps = None

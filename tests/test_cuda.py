@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from engine_utils import TINY, make_engine, run_all, solo
+from engine_utils import TINY, make_engine, run_all, solo, submit
 from server_utils import live_server
 
 from engine.model.loader import load_model
@@ -69,6 +69,26 @@ def test_captured_decode_on_cuda_matches_eager(compiled):
     assert info["replays"] >= 79 and info["eager_steps"] == 0  # (every decode step)
     assert info["guard_misses"] == info["compiles_since_warm_up"] == 0, info
     assert graphs.check_integrity()
+
+
+def test_serving_builds_no_triton_kernel_after_warm_up():
+    """Nothing is built once /health is 200 (tests/test_triton_build.py checks the keys on a CPU; here Triton's own
+    caches): after an engine's start-up and warm-up, extends within the top-k budget and past it, mixed with decoding
+    requests, greedy and sampled, build no Triton kernel."""
+    from engine.kernels import triton_decode, triton_indexer, triton_pointwise
+
+    kernels = [getattr(m, n) for m in (triton_decode, triton_indexer, triton_pointwise) for n in vars(m)
+               if n.startswith("_") and n.endswith("_kernel")]
+    device = torch.cuda.current_device()
+    engine = make_engine(device="cuda", dtype="bfloat16", model_path=TINY, load_format="auto",
+                         disable_cuda_graph=False, cuda_graph_bs=[1, 4])
+    engine.warm_up()
+    built = [len(k.device_caches[device][0]) for k in kernels]
+    for n, temperature in ((5, 0), (40, 0.8), (300, 0), (700, 0.8)):
+        submit(engine, PROMPT[:n], max_new_tokens=20, temperature=temperature, ignore_eos=True)
+        engine.step()  # (the next request's extend mixed with this one's decoding)
+    run_all(engine)
+    assert [len(k.device_caches[device][0]) for k in kernels] == built
 
 
 def test_decode_step_has_no_host_sync():

@@ -36,8 +36,8 @@ def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():
 def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
     """Nothing is built once /health is 200: Triton builds a kernel for each new key of a launch (its constexprs, its
     arguments' dtypes, and which integers and pointers are multiples of 16, unless told not to look). Every launch of
-    extends (alone, mixed with a decoding request past the top-k budget, at the allocator's odd offsets) and of decode
-    steps (the one key width CUDA runs) carries a key that `build_kernels` (CUDA's start-up) launched."""
+    extends (within the top-k budget and past it, mixed with a decoding request, at odd offsets) and of decode steps
+    (at the one key width CUDA runs) carries a key that `build_kernels` (CUDA's start-up) launched."""
     import inspect
 
     from triton._C.libtriton import native_specialize_impl
@@ -72,9 +72,10 @@ def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
     build_kernels(paged.runner.model, paged.pool, wide)
     built = keys()
     kvs = [paged.kv.admit([]) for _ in range(3)]
-    paged.step(kvs[:1], [[3] * 3])  # (the allocator's next slots at an odd offset)
+    paged.step(kvs[:1], [[3] * 3])  # (queries as decode attention's rows; the allocator's next slots at an odd offset)
     paged.step(kvs[:2], [[4] * 299, list(range(5, 42))])
-    paged.step(kvs, [[6], [7], list(range(9, 318))])  # (one query past the budget, mixed with extends)
+    mixed = [[6], list(range(9, 318)), [7]]  # (a query past the budget among extends; a key table row at an odd offset)
+    paged.step([kvs[0], kvs[2], kvs[1]], mixed)
     with torch.no_grad():
         batch = paged.decode_batch(kvs, [8, 9, 10])
         paged.decode_step(dataclasses.replace(batch, key_slots=F.pad(batch.key_slots, (0, wide - 320))))

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from engine_utils import TINY
 
 from engine.kernels import triton_decode, triton_indexer, triton_pointwise
+from engine.model import attention
 from engine.model.loader import load_model
 from tests.forward_utils import PagedModel
 
@@ -188,3 +189,24 @@ def test_a_step_whose_first_launch_raises_ends_on_the_other_forms(monkeypatch, c
     monkeypatch.setattr(triton_pointwise, "_rms_kernel", failing_kernel)
     torch.testing.assert_close(paged.decode_step(batch), want, atol=1e-4, rtol=1e-4)  # ({}: its launch raises)
     assert f"Triton's {failing} failed" in caplog.text and len(triton_decode._failed) == 1
+
+
+def test_an_extend_as_rows_of_decode_attention_equals_the_cpu_extend(monkeypatch):
+    """configs/tiny: requests within the top-k budget extend together, one after a cached prefix of its own (so a
+    query's keys run past the step's), every query a row of decode attention's kernel (its request's key slots, its
+    position + 1 keys), index-value layers too: the logits of the other forms (SDPA a request)."""
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 4000, (n,), generator=g).tolist() for n in (40, 7, 90)]
+    model, logits, rows = load_model(TINY, device=DEVICE), [], []
+    attend = attention.decode_attention
+    monkeypatch.setattr(attention, "decode_attention", lambda q, *args: rows.append(q.shape[0]) or attend(q, *args))
+    for kernel in (False, True):
+        monkeypatch.setattr(triton_decode, "serves", lambda device, *dims: False)
+        paged = PagedModel(model, size=1024, max_requests=3)
+        kvs = [paged.kv.admit([]) for _ in prompts]
+        paged.step(kvs[:1], [prompts[0][:30]])
+        monkeypatch.setattr(triton_decode, "serves", lambda device, *dims, on=kernel: on)
+        logits.append(torch.cat(paged.step(kvs, [prompts[0][30:]] + prompts[1:])))
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+    kinds = model.cfg.layer_kinds  # (each attention call once, all 107 queries as rows)
+    assert rows == [107] * (len(kinds) + kinds.count("sparse_index_kv"))

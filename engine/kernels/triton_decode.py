@@ -125,7 +125,7 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         acc = acc * fade[:, None] + tl.dot(p.to(vv.dtype), vv, input_precision="ieee")
         return top, total * fade + tl.sum(p, 1), acc
 
-    @triton.jit(do_not_specialize=["splits"])
+    @triton.jit(do_not_specialize=["splits", "slot_stride"])  # (an extend's rows: its longest key count)
     def _attend_kernel(q, k, v, slots, lengths, part, lse, slot_stride, scale, splits, H: tl.constexpr,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
         r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -158,7 +158,7 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         tl.store(out + (rh * g + tl.program_id(1)) * D + d, (tl.sum(weight[:, None] * parts, 0) / tl.sum(weight, 0))
                  .to(out.dtype.element_ty))
 
-    @triton.jit(do_not_specialize=["slot_stride"])  # (an extend's: a query's key count, or 0; one build serves all)
+    @triton.jit(do_not_specialize=["slot_stride"], do_not_specialize_on_alignment=["slots"])  # (an extend's: any)
     def _block_kernel(q, k, v, slots, blocks, q_pos, out, slot_stride, scale, nb, top, init, local, H: tl.constexpr,
                       G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, NB: tl.constexpr):
         """The queries of row r and KV head h over its `top` blocks: `blocks` [nb] selected ones (-1: none); or, with

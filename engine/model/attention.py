@@ -16,6 +16,9 @@ QUERY_CHUNK = 256  # queries per chunk of a long sparse extend: bounds the [head
 # Keys an extend's dense attention gathers at once (requests in runs up to it; a longer one alone): requests that share
 # a long cached prefix each gather their own copy of it (64 on a 65k-token prefix: ~2 GB at once for configs/tiny).
 GATHER_KEYS = 16384
+# CUDA: an extend of requests within the top-k budget, its queries times its longest key count at most this, runs its
+# dense attention as decode attention's kernel, a query a row: one launch a layer, not an SDPA a request (64 prompts).
+ROW_KEYS = 1 << 20
 
 
 def attention(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch | DecodeBatch,
@@ -83,25 +86,33 @@ def _causal_sdpa(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, segs
 
 def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: ForwardBatch, pool: MiniMaxSparseKVPool,
             cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    kind, segs, scale = cfg.layer_kinds[layer_id], batch.segments, cfg.head_dim ** -0.5
+    kind, segs, scale, t = cfg.layer_kinds[layer_id], batch.segments, cfg.head_dim ** -0.5, q.shape[0]
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
     # (dense-equivalent: with at most K blocks of keys, all are selected; see _decode)
     dense = tuple(i for i, s in enumerate(segs) if kind == "dense" or s.num_keys <= cfg.topk_blocks * cfg.block_size)
-    o: dict[int, torch.Tensor] = {}
-    for run in _runs(dense, segs):
-        o.update(zip(run, _causal_sdpa(q, k_buf, v_buf, [segs[i] for i in run], batch.slots_of(run), scale)))
-    for i, seg in enumerate(segs):
-        if i not in o:  # (block-sparse: past the top-k budget)
-            o[i] = _sparse_segment(layer_id, q[seg.start:seg.end], iq[seg.start:seg.end], seg, pool,
-                                   cfg).view(seg.queries, q.shape[1], -1)
-    out = torch.cat([o[i] for i in range(len(segs))]).reshape(q.shape[0], -1)
+    rows = (batch.query_rows() if len(dense) == len(segs) and triton_decode.usable(q, k_buf)
+            and t * max(s.num_keys for s in segs) <= ROW_KEYS else None)
+    if rows:
+        out = decode_attention(q.view(t, k_buf.shape[1], -1, q.shape[-1]), k_buf, v_buf, *rows, scale)
+    else:
+        o: dict[int, torch.Tensor] = {}
+        for run in _runs(dense, segs):
+            o.update(zip(run, _causal_sdpa(q, k_buf, v_buf, [segs[i] for i in run], batch.slots_of(run), scale)))
+        for i, seg in enumerate(segs):
+            if i not in o:  # (block-sparse: past the top-k budget)
+                o[i] = _sparse_segment(layer_id, q[seg.start:seg.end], iq[seg.start:seg.end], seg, pool,
+                                       cfg).view(seg.queries, q.shape[1], -1)
+        out = torch.cat([o[i] for i in range(len(segs))])
     if kind != "sparse_index_kv":
-        return out, None
+        return out.reshape(t, -1), None
     ik_buf, iv_buf = pool.get_index_kv_buffer(layer_id)  # index-value branch: dense causal over the whole history (§4)
+    if rows:
+        u = decode_attention(iq[:, None], ik_buf, iv_buf, *rows, cfg.index_head_dim ** -0.5)
+        return out.reshape(t, -1), u.reshape(t, -1)
     u: list[torch.Tensor] = []
     for run in _runs(tuple(range(len(segs))), segs):
         u += _causal_sdpa(iq, ik_buf, iv_buf, [segs[i] for i in run], batch.slots_of(run), cfg.index_head_dim ** -0.5)
-    return out, torch.cat(u).reshape(q.shape[0], -1)
+    return out.reshape(t, -1), torch.cat(u).reshape(t, -1)
 
 
 def _runs(idx: tuple[int, ...], segs: list[Segment]) -> list[tuple[int, ...]]:

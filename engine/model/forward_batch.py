@@ -45,7 +45,9 @@ class ForwardBatch:
     positions: torch.Tensor  # [T_total] int64
     out_cache_loc: torch.Tensor  # [T_total] int64
     segments: list[Segment]
+    key_table: torch.Tensor  # [requests, longest] int64: request i's slots by position (past its keys: never read)
     _slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    _rows: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
     def slots_of(self, idx: tuple[int, ...]) -> torch.Tensor:
         """The key slots of segments `idx`, end to end (made once a step: every layer gathers its keys by them)."""
@@ -53,17 +55,26 @@ class ForwardBatch:
             self._slots[idx] = torch.cat([self.segments[i].slots for i in idx])
         return self._slots[idx]
 
+    def query_rows(self) -> list[torch.Tensor]:
+        """[each token's request's row of the key table, its key count (position + 1)]: the extend as rows of decode
+        attention, one a query (made once a step)."""
+        if not self._rows:
+            of = [i for i, s in enumerate(self.segments) for _ in range(s.queries)]
+            self._rows += [self.key_table[torch.tensor(of, device=self.key_table.device)], self.positions + 1]
+        return self._rows
+
     @classmethod
     def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,
               req_to_token: torch.Tensor, device: torch.device) -> "ForwardBatch":
         """Request i (row rows[i]) feeds new_ids[i] at positions prefix_lens[i]...; `out_cache_loc` is in the table."""
-        ids, positions, segments = [], [], []
-        for row, p, x in zip(rows, prefix_lens, new_ids):
-            segments.append(Segment(len(ids), len(x), p, req_to_token[row, : p + len(x)].to(device, torch.int64)))
+        ids, positions, segments, at = [], [], [], torch.tensor(rows, device=req_to_token.device)
+        table = req_to_token[at, :max(p + len(x) for p, x in zip(prefix_lens, new_ids))].to(device, torch.int64)
+        for i, (p, x) in enumerate(zip(prefix_lens, new_ids)):
+            segments.append(Segment(len(ids), len(x), p, table[i, : p + len(x)]))
             ids += x
             positions += range(p, p + len(x))
         return cls(*(torch.tensor(x, dtype=torch.int64, device=device) for x in (ids, positions)),
-                   out_cache_loc.to(device, torch.int64), segments)
+                   out_cache_loc.to(device, torch.int64), segments, table)
 
 
 @dataclass

@@ -52,11 +52,12 @@ def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeB
 @torch.no_grad()
 def build_kernels(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, keys: int) -> None:
     """The shapes serving launches, run once at start-up so that Triton builds its kernels then, not on first traffic
-    (CUDA): a decode step `keys` wide, and an extend past the top-k budget (its block kernel, the experts' grouped form)."""
-    c = model.cfg  # (the extend: K + 1 blocks, at positions the rotation table has, every token to the padding slot 0)
-    z = torch.zeros(min((c.topk_blocks + 1) * c.block_size, c.max_position_embeddings), dtype=torch.int64).to(pool.device)
+    (CUDA): a decode step `keys` wide; an extend within the top-k budget (its queries as decode attention's rows) and
+    one past it (its block kernel, the experts' grouped form), at positions the rotation table has, to slot 0."""
     decode_step(model, pool, DecodeBatch.empty(1, keys, pool.device))
-    model(ForwardBatch(z, torch.arange(len(z), device=z.device), z, [Segment(0, len(z), 0, z)]), pool)
+    for n in (model.cfg.block_size, (model.cfg.topk_blocks + 1) * model.cfg.block_size):
+        z = torch.zeros(min(n, model.cfg.max_position_embeddings), dtype=torch.int64).to(pool.device)
+        model(ForwardBatch(z, torch.arange(len(z), device=z.device), z, [Segment(0, len(z), 0, z)], z[None]), pool)
 
 
 class DecodeGraphs:

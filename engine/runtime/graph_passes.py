@@ -14,7 +14,6 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 
 from engine.kernels import moe_experts, paged_attention
 from engine.model import layers
-from engine.model.layers import gathered_experts
 from engine.runtime.decode_graph import SUM_PIECE
 
 aten, minimax = torch.ops.aten, torch.ops.minimax
@@ -63,7 +62,7 @@ def _block_attention(match: Match, q, k, v, slots, blocks, q_pos, block_size: in
 @pm.register_graph_pattern(CallFunction(minimax.moe_experts.default, *(KeywordArg(n) for n in ("q", "ids", "w", "w13", "w2")),
                                      KeywordArg("alpha"), KeywordArg("limit")), extra_check=_first_one_row, pass_dict=_OPS)
 def _moe(match: Match, q, ids, w, w13, w2, alpha: float, limit: float) -> None:
-    match.replace_by_example(lambda x, ids, w, w13, w2: gathered_experts(x, ids, w, w13, w2, alpha, limit),
+    match.replace_by_example(lambda x, ids, w, w13, w2: layers.gathered_experts(x, ids, w, w13, w2, alpha, limit),
                              [q, ids, w, w13, w2])
 
 

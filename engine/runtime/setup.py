@@ -22,14 +22,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 CPU_KV_BYTES = 512 << 20
 
 
-def resolve_device(device: str | None) -> torch.device:
-    if device in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if (dev := torch.device(device)).type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda was given but CUDA is not available")
-    return dev
-
-
 def choose_threads(requested: int, sample_s: float = 0.25) -> int:
     """torch's thread count for this process: `requested` when given, else torch's default less the cores that other
     processes keep busy (over half of `sample_s`, read from /proc/stat) at start, at least 1. NOTE: OpenMP threads wait
@@ -40,8 +32,7 @@ def choose_threads(requested: int, sample_s: float = 0.25) -> int:
     if requested > 0 or default == 1:
         return requested or 1
     try:
-        mine = {f"cpu{i}" for i in os.sched_getaffinity(0)}  # (the CPUs this process may run on)
-        before = _cpu_times()
+        mine, before = {f"cpu{i}" for i in os.sched_getaffinity(0)}, _cpu_times()  # (mine: the CPUs it may run on)
         time.sleep(sample_s)
         after = {cpu: t for cpu, t in _cpu_times().items() if cpu in mine and cpu in before}
     except (OSError, AttributeError):  # (no /proc/stat or affinity: not Linux)
@@ -53,12 +44,9 @@ def choose_threads(requested: int, sample_s: float = 0.25) -> int:
 
 def _cpu_times() -> dict[str, tuple[int, int]]:
     """Per CPU: (idle + iowait, all) jiffies since boot."""
-    out = {}
-    for line in Path("/proc/stat").read_text().splitlines():
-        name, *ticks = line.split()
-        if name.startswith("cpu") and name != "cpu":
-            out[name] = (int(ticks[3]) + int(ticks[4]), sum(map(int, ticks[:8])))
-    return out
+    rows = [line.split() for line in Path("/proc/stat").read_text().splitlines()]
+    return {name: (int(ticks[3]) + int(ticks[4]), sum(map(int, ticks[:8])))
+            for name, *ticks in rows if name.startswith("cpu") and name != "cpu"}
 
 
 def load_tokenizer(args: EngineArgs) -> Tokenizer | None:
@@ -125,7 +113,10 @@ def build_hicache(args: EngineArgs, model: MiniMaxM3Model, pool: MiniMaxSparseKV
 def build_components(args: EngineArgs
                      ) -> tuple[MiniMaxM3Model, Tokenizer | None, MiniMaxSparseKVPool, KVCacheManager, int]:
     """(model, tokenizer, KV pool, KV cache manager, context length)."""
-    device = resolve_device(args.device)
+    auto = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(auto if args.device in (None, "auto") else args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was given but CUDA is not available")
     if device.type == "cpu":  # (the C kernels, CPU-only, built or found in the cache now: not in a first request)
         if (threads := choose_threads(args.num_threads)) != torch.get_num_threads():
             logger.info("%d CPU threads (%s)", threads, "--num-threads" if args.num_threads else
