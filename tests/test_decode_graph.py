@@ -13,6 +13,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -158,7 +159,8 @@ def test_the_compiled_graphs_take_the_cuda_captures_static_inputs(paged):
 
 def test_an_eager_step_runs_at_the_graphs_key_width(tiny3, monkeypatch):
     """Where Triton's kernels serve (CUDA), a step past the graphs (or with none) runs eager at their one key width:
-    the block kernel is built for its block count, once. The wider table's columns are padding, masked: same logits."""
+    the block kernel is built for its block count, once. The wider table's columns are padding, masked: same logits.
+    Once Triton is off, at its own width."""
     from engine.runtime import decode_graph
 
     p, widths = PagedModel(load_model(tiny3), size=4096, max_requests=4), []
@@ -169,5 +171,8 @@ def test_an_eager_step_runs_at_the_graphs_key_width(tiny3, monkeypatch):
     batch = p.decode_batch(kvs, last)
     narrow = p.runner.graphs.run(batch)
     monkeypatch.setattr(p.runner.graphs, "_wide", 1024)
+    monkeypatch.setattr(decode_graph, "triton_decode", SimpleNamespace(serves=lambda device: True))  # (here only)
     torch.testing.assert_close(p.runner.graphs.run(batch), narrow, rtol=0, atol=1e-5)
-    assert widths == [batch.key_slots.shape[1], 1024] and batch.key_slots.shape[1] < 1024
+    monkeypatch.setattr(decode_graph, "triton_decode", SimpleNamespace(serves=lambda device: False))  # (a launch failed:
+    p.runner.graphs.run(batch)  # the other forms would gather every padding key)
+    assert widths == [batch.key_slots.shape[1], 1024, batch.key_slots.shape[1]] and batch.key_slots.shape[1] < 1024

@@ -11,6 +11,7 @@ from test_parity_transformers import Ours, prompt_logits
 
 from engine.model import attention
 from engine.model.attention import sparse_attend
+from engine.model.forward_batch import ForwardBatch
 from engine.model.indexer import block_masks, select_blocks
 from engine.model.loader import load_model
 from tests.forward_utils import PagedModel
@@ -141,3 +142,19 @@ def test_requests_gathered_in_runs_give_the_logits_of_one_gather(monkeypatch):
     together = logits()
     monkeypatch.setattr(attention, "GATHER_KEYS", 1)  # (every request a run of its own)
     assert all(torch.equal(a, b) for a, b in zip(together, logits()))
+
+
+def test_an_extend_gives_each_request_its_solo_logits_with_or_without_the_key_table():
+    """The extend's key table (one gather for all requests) is kept unless padding would fill over half of it (a long
+    request among short ones: each its own slots). Batched either way, each request's logits are its solo ones."""
+    model = load_model(TINY)
+    for lengths, kept in (((300, 250, 280), True), ((700, 9, 10, 30), False)):
+        prompts = [[(5 * j + i) % 3000 + 20 for j in range(n)] for i, n in enumerate(lengths)]
+        paged = PagedModel(model, size=2048, max_requests=8)
+        kvs = [paged.kv.admit([]) for _ in prompts]
+        loc = paged.kv.allocate([(kv, len(p)) for kv, p in zip(kvs, prompts)])
+        batch = ForwardBatch.build([kv.row for kv in kvs], [0] * len(kvs), prompts, loc, paged.kv.table, loc.device)
+        assert (batch.key_table is not None) == kept
+        together = paged.step([paged.kv.admit([]) for _ in prompts], prompts)
+        for p, got in zip(prompts, together):
+            torch.testing.assert_close(got, PagedModel(model, size=1024, max_requests=1).logits(p), atol=1e-5, rtol=0)

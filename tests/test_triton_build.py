@@ -72,7 +72,7 @@ def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
     build_kernels(paged.runner.model, paged.pool, wide)
     built = keys()
     kvs = [paged.kv.admit([]) for _ in range(3)]
-    paged.step(kvs[:1], [[3] * 3])  # (queries as decode attention's rows; the allocator's next slots at an odd offset)
+    paged.step(kvs[:2], [[3] * 3, [2] * 4])  # (queries as decode attention's rows; the next slots at an odd offset)
     paged.step(kvs[:2], [[4] * 299, list(range(5, 42))])
     mixed = [[6], list(range(9, 318)), [7]]  # (a query past the budget among extends; a key table row at an odd offset)
     paged.step([kvs[0], kvs[2], kvs[1]], mixed)

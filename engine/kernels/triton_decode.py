@@ -128,7 +128,7 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
     @triton.jit(do_not_specialize=["splits", "slot_stride"])  # (an extend's rows: its longest key count)
     def _attend_kernel(q, k, v, slots, lengths, part, lse, slot_stride, scale, splits, H: tl.constexpr,
                        G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, TILE: tl.constexpr):
-        r, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        r, h, s = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)  # (r * slot_stride: int64)
         n = tl.load(lengths + r).to(tl.int32)
         per = tl.cdiv(tl.cdiv(n, splits), TILE) * TILE
         lo, hi = s * per, tl.minimum(s * per + per, n)
@@ -165,7 +165,7 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
         NB, from its nb block scores, `select_blocks`' choice made here: the best key at a time (tl.argmax: ties to the
         lower block), forced blocks' keys +inf, blocks past the query's own (seen) -inf, none from the seen-th on."""
         r, h = tl.program_id(0), tl.program_id(1)
-        last = tl.load(q_pos + r)
+        last, slots = tl.load(q_pos + r), slots + r.to(tl.int64) * slot_stride  # (its row of the key table)
         g, d, j = tl.arange(0, GP), tl.arange(0, D), tl.arange(0, BS)
         at = ((r * H + h) * G + g[:, None]) * D + d[None, :]
         qv = (tl.load(q + at, mask=g[:, None] < G, other=0.0).to(tl.float32) * scale).to(k.dtype.element_ty)
@@ -184,6 +184,6 @@ if triton is not None:  # NOTE: the dots in the buffers' dtype (bf16: tensor cor
                 blk = tl.load(blocks + (r * H + h) * nb + i)
             pos = blk * BS + j
             ok = (pos >= 0) & (pos <= last)  # (a block of -1: negative positions)
-            slot = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)
+            slot = tl.load(slots + pos, mask=ok, other=0).to(tl.int64)
             m, total, acc = _tile(qv, k, v, (slot * H + h)[:, None] * D + d[None, :], ok, m, total, acc)
         tl.store(out + at, (acc / tl.maximum(total, 1.0)[:, None]).to(out.dtype.element_ty), mask=g[:, None] < G)

@@ -66,7 +66,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["per"])
     def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, per, H: tl.constexpr, HP: tl.constexpr,
                        D: tl.constexpr, BS: tl.constexpr):
-        r, s = tl.program_id(0), tl.program_id(1)
+        r, s = tl.program_id(0).to(tl.int64), tl.program_id(1)  # (r * slot_stride: int64)
         n = tl.load(lengths + r).to(tl.int32)
         h, d, j = tl.arange(0, HP), tl.arange(0, D), tl.arange(0, BS)
         qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)

@@ -16,8 +16,8 @@ QUERY_CHUNK = 256  # queries per chunk of a long sparse extend: bounds the [head
 # Keys an extend's dense attention gathers at once (requests in runs up to it; a longer one alone): requests that share
 # a long cached prefix each gather their own copy of it (64 on a 65k-token prefix: ~2 GB at once for configs/tiny).
 GATHER_KEYS = 16384
-# CUDA: an extend of requests within the top-k budget, its queries times its longest key count at most this, runs its
-# dense attention as decode attention's kernel, a query a row: one launch a layer, not an SDPA a request (64 prompts).
+# CUDA: an extend of requests within the top-k budget, queries x longest key count at most this, runs as decode
+# attention's rows, one a query: a launch a layer, not an SDPA a request (past short prompts, SDPA's tiles read less).
 ROW_KEYS = 1 << 20
 
 
@@ -90,8 +90,8 @@ def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Forw
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
     # (dense-equivalent: with at most K blocks of keys, all are selected; see _decode)
     dense = tuple(i for i, s in enumerate(segs) if kind == "dense" or s.num_keys <= cfg.topk_blocks * cfg.block_size)
-    rows = (batch.query_rows() if len(dense) == len(segs) and triton_decode.usable(q, k_buf)
-            and t * max(s.num_keys for s in segs) <= ROW_KEYS else None)
+    rows = (batch.query_rows() if len(dense) == len(segs) > 1 and triton_decode.usable(q, k_buf, cfg.index_head_dim)
+            and batch.key_table is not None and t * batch.key_table.shape[1] <= ROW_KEYS else None)
     if rows:
         out = decode_attention(q.view(t, k_buf.shape[1], -1, q.shape[-1]), k_buf, v_buf, *rows, scale)
     else:

@@ -45,7 +45,8 @@ class ForwardBatch:
     positions: torch.Tensor  # [T_total] int64
     out_cache_loc: torch.Tensor  # [T_total] int64
     segments: list[Segment]
-    key_table: torch.Tensor  # [requests, longest] int64: request i's slots by position (past its keys: never read)
+    token_request: torch.Tensor  # [T_total] int64: the request (segment) of each token
+    key_table: torch.Tensor | None  # [requests, longest]: request i's slots by position; None: over half padding
     _slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
     _rows: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
@@ -59,22 +60,28 @@ class ForwardBatch:
         """[each token's request's row of the key table, its key count (position + 1)]: the extend as rows of decode
         attention, one a query (made once a step)."""
         if not self._rows:
-            of = [i for i, s in enumerate(self.segments) for _ in range(s.queries)]
-            self._rows += [self.key_table[torch.tensor(of, device=self.key_table.device)], self.positions + 1]
+            self._rows += [self.key_table[self.token_request], self.positions + 1]
         return self._rows
 
     @classmethod
     def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,
               req_to_token: torch.Tensor, device: torch.device) -> "ForwardBatch":
         """Request i (row rows[i]) feeds new_ids[i] at positions prefix_lens[i]...; `out_cache_loc` is in the table."""
-        ids, positions, segments, at = [], [], [], torch.tensor(rows, device=req_to_token.device)
-        table = req_to_token[at, :max(p + len(x) for p, x in zip(prefix_lens, new_ids))].to(device, torch.int64)
+        ids, positions, of, ends = [], [], [], [p + len(x) for p, x in zip(prefix_lens, new_ids)]
         for i, (p, x) in enumerate(zip(prefix_lens, new_ids)):
-            segments.append(Segment(len(ids), len(x), p, table[i, : p + len(x)]))
             ids += x
             positions += range(p, p + len(x))
-        return cls(*(torch.tensor(x, dtype=torch.int64, device=device) for x in (ids, positions)),
-                   out_cache_loc.to(device, torch.int64), segments, table)
+            of += [i] * len(x)
+        t = len(ids)  # (one copy to the device, from pinned memory: no sync)
+        at = torch.tensor(ids + positions + of + rows, pin_memory=device.type == "cuda").to(device, non_blocking=True)
+        # (the key table: one gather for all requests, unless its padding would fill over half of it)
+        table = req_to_token[at[3 * t:], :max(ends)].long() if len(rows) * max(ends) <= 2 * sum(ends) else None
+        segments, start = [], 0
+        for i, (r, p, e) in enumerate(zip(rows, prefix_lens, ends)):
+            slots = req_to_token[r, :e].to(device, torch.int64) if table is None else table[i, :e]
+            segments.append(Segment(start, e - p, p, slots))
+            start += e - p
+        return cls(at[:t], at[t:2 * t], out_cache_loc.to(device, torch.int64), segments, at[2 * t:3 * t], table)
 
 
 @dataclass

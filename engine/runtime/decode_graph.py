@@ -52,12 +52,12 @@ def decode_step(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, batch: DecodeB
 @torch.no_grad()
 def build_kernels(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, keys: int) -> None:
     """The shapes serving launches, run once at start-up so that Triton builds its kernels then, not on first traffic
-    (CUDA): a decode step `keys` wide; an extend within the top-k budget (its queries as decode attention's rows) and
-    one past it (its block kernel, the experts' grouped form), at positions the rotation table has, to slot 0."""
+    (CUDA): a decode step `keys` wide (an extend's queries as decode attention's rows launch its kernels alike), and an
+    extend past the top-k budget (its block kernel, the experts' grouped form), at positions the rotation table has."""
     decode_step(model, pool, DecodeBatch.empty(1, keys, pool.device))
-    for n in (model.cfg.block_size, (model.cfg.topk_blocks + 1) * model.cfg.block_size):
-        z = torch.zeros(min(n, model.cfg.max_position_embeddings), dtype=torch.int64).to(pool.device)
-        model(ForwardBatch(z, torch.arange(len(z), device=z.device), z, [Segment(0, len(z), 0, z)], z[None]), pool)
+    n = min((model.cfg.topk_blocks + 1) * model.cfg.block_size, model.cfg.max_position_embeddings)
+    z = torch.zeros(max(1, n), dtype=torch.int64).to(pool.device)  # (every token to the padding slot 0)
+    model(ForwardBatch(z, torch.arange(len(z), device=z.device), z, [Segment(0, len(z), 0, z)], z, z[None]), pool)
 
 
 class DecodeGraphs:
@@ -137,7 +137,7 @@ class DecodeGraphs:
             if self.eager_steps == 1:
                 logger.info("a decode step of %d rows x %d keys is past the captured graphs: it runs eager (this "
                             "is said once)", rows, keys)
-            if self._wide:  # (as wide as the graphs: Triton's block kernel builds for its block count, a constexpr)
+            if self._wide and triton_decode.serves(self.device):  # (the graphs' width: NB, a constexpr, built once)
                 batch = dataclasses.replace(batch, key_slots=F.pad(batch.key_slots, (0, self._wide - width)))
             with torch.no_grad():
                 return decode_step(self.model, self.pool, batch)
