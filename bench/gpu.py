@@ -292,12 +292,13 @@ def start(log: Path) -> tuple[subprocess.Popen, float]:
     raise RuntimeError("no /health 200 within 300 s")
 
 
-async def load(clients: int, new: int, temperature: float, port: int = PORT) -> dict:
-    """`clients` concurrent clients, one /generate each (256 new tokens): tokens/s over the wall time."""
+async def load(clients: int, new: int, temperature: float, port: int = PORT, seed: int = 1000) -> dict:
+    """`clients` concurrent clients, one /generate each (256 new tokens): tokens/s over the wall time. Prompts from
+    `seed` on: a run with seeds of its own finds none of its prompts in the prefix cache (its extend runs whole)."""
     async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
                                  limits=httpx.Limits(max_connections=clients + 8)) as c:
         async def one(i: int) -> int:
-            r = await c.post("/generate", json={"input_ids": prompt(1000 + i, 128, 4000), "sampling_params": {
+            r = await c.post("/generate", json={"input_ids": prompt(seed + i, 128, 4000), "sampling_params": {
                 "max_new_tokens": new, "temperature": temperature, "ignore_eos": True}})
             return r.json()["meta_info"]["completion_tokens"] if r.status_code == 200 else 0
 
@@ -312,10 +313,11 @@ def server() -> dict:
     out: dict = {}
     p, out["startup_cold_s"] = start(log)
     try:
-        for clients in (1, 64, 256):
-            for temp in (0.0, 0.8):
+        for clients in (1, 64, 256):  # ("first": a setting's first run, its prompts new to the server; "warm": the
+            for temp in (0.0, 0.8):  # same prompts again, their prefill cached)
+                seed = 1000 * len(out)
                 for run in ("first", "warm"):
-                    out[f"c{clients}_t{temp}_{run}"] = asyncio.run(load(clients, 256, temp))
+                    out[f"c{clients}_t{temp}_{run}"] = asyncio.run(load(clients, 256, temp, seed=seed))
         info = httpx.get(f"http://127.0.0.1:{PORT}/server_info", timeout=30).json()
         out["server_info_graphs"] = {k: v for k, v in info.items() if "graph" in k}
     finally:

@@ -89,7 +89,7 @@ def main() -> None:
     with live_server("--serve", "1", *sys.argv[1:], module="bench.simulated_gpu") as srv:
         port = int(srv.url.rsplit(":", 1)[1])
         # (greedy only: a temperature's sampling would run on this CPU, where on a GPU it is device time)
-        runs = [asyncio.run(load(a.clients, a.new, 0.0, port))["tok_s"] for _ in range(a.runs)]
+        runs = [asyncio.run(load(a.clients, a.new, 0.0, port, seed=1000 * (j + 1)))["tok_s"] for j in range(a.runs)]
         out["server_tok_s"] = [round(r) for r in runs]  # (the first: a fresh server's first traffic)
         out["server_first_over_offline"] = round(runs[0] / out["offline_tok_s"], 3)
         out["server_median_over_offline"] = round(statistics.median(runs) / out["offline_tok_s"], 3)
