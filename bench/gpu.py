@@ -23,6 +23,7 @@ greedy tokens; the mid-size model compiled: its ready seconds and roofline fract
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
 import statistics
@@ -313,11 +314,10 @@ def server() -> dict:
     out: dict = {}
     p, out["startup_cold_s"] = start(log)
     try:
-        for clients in (1, 64, 256):  # ("first": a setting's first run, its prompts new to the server; "warm": the
-            for temp in (0.0, 0.8):  # same prompts again, their prefill cached)
-                seed = 1000 * len(out)
-                for run in ("first", "warm"):
-                    out[f"c{clients}_t{temp}_{run}"] = asyncio.run(load(clients, 256, temp, seed=seed))
+        # ("first": a setting's first run, its prompts new to the server; "warm": the same prompts, their prefill cached)
+        for n, (clients, temp) in enumerate(itertools.product((1, 64, 256), (0.0, 0.8))):
+            for run in ("first", "warm"):
+                out[f"c{clients}_t{temp}_{run}"] = asyncio.run(load(clients, 256, temp, seed=1000 * (n + 1)))
         info = httpx.get(f"http://127.0.0.1:{PORT}/server_info", timeout=30).json()
         out["server_info_graphs"] = {k: v for k, v in info.items() if "graph" in k}
     finally:

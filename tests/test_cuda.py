@@ -76,9 +76,9 @@ def test_serving_builds_no_triton_kernel_after_warm_up():
     caches): after an engine's start-up and warm-up, extends within the top-k budget and past it, mixed with decoding
     requests, greedy and sampled, build no Triton kernel."""
     from engine.kernels import triton_decode, triton_indexer, triton_pointwise
+    from tests.test_triton_build import KERNELS
 
-    kernels = [getattr(m, n) for m in (triton_decode, triton_indexer, triton_pointwise) for n in vars(m)
-               if n.startswith("_") and n.endswith("_kernel")]
+    kernels = [getattr(m, n) for m in (triton_decode, triton_indexer, triton_pointwise) for n in KERNELS & set(vars(m))]
     device = torch.cuda.current_device()
     engine = make_engine(device="cuda", dtype="bfloat16", model_path=TINY, load_format="auto",
                          disable_cuda_graph=False, cuda_graph_bs=[1, 4])

@@ -90,7 +90,7 @@ def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Forw
     k_buf, v_buf = pool.get_kv_buffer(layer_id)
     # (dense-equivalent: with at most K blocks of keys, all are selected; see _decode)
     dense = tuple(i for i, s in enumerate(segs) if kind == "dense" or s.num_keys <= cfg.topk_blocks * cfg.block_size)
-    rows = (batch.query_rows() if len(dense) == len(segs) > 1 and triton_decode.usable(q, k_buf, cfg.index_head_dim)
+    rows = (batch.query_rows if len(dense) == len(segs) > 1 and triton_decode.usable(q, k_buf, cfg.index_head_dim)
             and batch.key_table is not None and t * batch.key_table.shape[1] <= ROW_KEYS else None)
     if rows:
         out = decode_attention(q.view(t, k_buf.shape[1], -1, q.shape[-1]), k_buf, v_buf, *rows, scale)

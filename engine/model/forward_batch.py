@@ -1,6 +1,7 @@
 """What one model step computes: an extend (`ForwardBatch`: each request a chunk of tokens, one `Segment`
 each) or a decode step (`DecodeBatch`: one token per request, fixed-shape tensors for eager or captured)."""
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +49,6 @@ class ForwardBatch:
     token_request: torch.Tensor  # [T_total] int64: the request (segment) of each token
     key_table: torch.Tensor | None  # [requests, longest]: request i's slots by position; None: over half padding
     _slots: dict[tuple[int, ...], torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
-    _rows: list[torch.Tensor] = field(default_factory=list, compare=False, repr=False)
 
     def slots_of(self, idx: tuple[int, ...]) -> torch.Tensor:
         """The key slots of segments `idx`, end to end (made once a step: every layer gathers its keys by them)."""
@@ -56,12 +56,11 @@ class ForwardBatch:
             self._slots[idx] = torch.cat([self.segments[i].slots for i in idx])
         return self._slots[idx]
 
-    def query_rows(self) -> list[torch.Tensor]:
-        """[each token's request's row of the key table, its key count (position + 1)]: the extend as rows of decode
+    @functools.cached_property
+    def query_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each token's request's row of the key table, its key count (position + 1)): the extend as rows of decode
         attention, one a query (made once a step)."""
-        if not self._rows:
-            self._rows += [self.key_table[self.token_request], self.positions + 1]
-        return self._rows
+        return self.key_table[self.token_request], self.positions + 1
 
     @classmethod
     def build(cls, rows: list[int], prefix_lens: list[int], new_ids: list[list[int]], out_cache_loc: torch.Tensor,

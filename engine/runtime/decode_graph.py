@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import triton_decode
-from engine.model.forward_batch import DecodeBatch, ForwardBatch, Segment
+from engine.model.forward_batch import DecodeBatch, ForwardBatch
 from engine.model.model import MiniMaxM3Model
 from engine.runtime.cuda_graph import CudaGraphs, Step
 from engine.runtime.engine_args import EngineArgs
@@ -55,9 +55,9 @@ def build_kernels(model: MiniMaxM3Model, pool: MiniMaxSparseKVPool, keys: int) -
     (CUDA): a decode step `keys` wide (an extend's queries as decode attention's rows launch its kernels alike), and an
     extend past the top-k budget (its block kernel, the experts' grouped form), at positions the rotation table has."""
     decode_step(model, pool, DecodeBatch.empty(1, keys, pool.device))
-    n = min((model.cfg.topk_blocks + 1) * model.cfg.block_size, model.cfg.max_position_embeddings)
-    z = torch.zeros(max(1, n), dtype=torch.int64).to(pool.device)  # (every token to the padding slot 0)
-    model(ForwardBatch(z, torch.arange(len(z), device=z.device), z, [Segment(0, len(z), 0, z)], z, z[None]), pool)
+    n = max(1, min((model.cfg.topk_blocks + 1) * model.cfg.block_size, model.cfg.max_position_embeddings))
+    z = torch.zeros(n, dtype=torch.int64, device=pool.device)  # (every token to the padding slot 0: loc and table)
+    model(ForwardBatch.build([0], [0], [[0] * n], z, z[None], pool.device), pool)
 
 
 class DecodeGraphs:
