@@ -1,8 +1,9 @@
 """Every Triton kernel a decode step and its sampling launch builds for a Hopper GPU (sm_90) here, with no GPU: Triton's own compiler
 and its bundled ptxas. Triton's interpreter (tests/test_triton_*.py) runs what a GPU's compiler may refuse (a
 construct, a dtype mix, a layout). The launches are recorded from configs/tiny decode steps in bfloat16 and float32
-through CUDA's forms (their outputs left unwritten), then each distinct one compiled with its arguments' types and
-constexprs, in a process without the interpreter (conftest.py turns it on)."""
+through CUDA's forms (their outputs left unwritten), then each distinct one compiled as Triton's launcher specializes
+it (its arguments' types and constexprs, which integers and pointers are multiples of 16, integers of 1), in a process
+without the interpreter (conftest.py turns it on)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,12 @@ def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():
     p = subprocess.run([sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     built = [line.split() for line in p.stdout.splitlines() if line.startswith("built ")]
-    assert {name for _, name, _ in built} == KERNELS and {dtype for *_, dtype in built} == {"bf16", "fp32"}, built
+    assert {name for _, name, *_ in built} == KERNELS and {dtype for _, _, dtype, _ in built} == {"bf16", "fp32"}, built
+    # each loop over memory reads its next tiles while it computes on this one (the compiler's cp.async pipeline):
+    # the attention and score kernels' on their own (their loads feed tl.dot), the others by tl.range's num_stages
+    assert {name for _, name, _, copies in built if int(copies) == 0} == {"_combine_kernel", "_rms_kernel",
+                                                                          "_norm_rope_kernel", "_swiglu_kernel",
+                                                                          "_route_kernel"}, built
 
 
 def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
@@ -93,18 +99,10 @@ class _Recorder:
         return lambda *args, **constexprs: self.launches.append((self.kernel, args, constexprs))
 
 
-def _type(x) -> str:
-    if isinstance(x, torch.Tensor):
-        return "*" + {torch.float32: "fp32", torch.bfloat16: "bf16", torch.int64: "i64", torch.int32: "i32",
-                      torch.bool: "i1"}[x.dtype]
-    if isinstance(x, float):
-        return "fp32"
-    return "i32" if -2**31 <= x < 2**31 else "i64"
-
-
 def _build_every_launch() -> None:
     import triton
-    from triton.backends.compiler import GPUTarget
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
     from engine.kernels import triton_indexer, triton_pointwise
@@ -134,13 +132,24 @@ def _build_every_launch() -> None:
     seen = set()
     for kernel, args, constexprs in launches:
         options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
-        signature = dict(zip(kernel.arg_names, map(_type, args))) | dict.fromkeys(constexprs, "constexpr")
-        key = (kernel.__name__, tuple(signature.values()), tuple(constexprs.items()), tuple(options.items()))
+        signature, attrs, fixed = {}, {}, {}
+        for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):  # (as Triton's launcher specializes them)
+            kind, spec = native_specialize_impl(BaseBackend, arg, False, name not in kernel.do_not_specialize,
+                                                name not in kernel.do_not_specialize_on_alignment)
+            signature[name] = kind
+            if kind == "constexpr":  # (an integer 1)
+                fixed[(i,)] = spec
+            elif spec:  # (a multiple of 16, or a pointer 16-byte aligned)
+                attrs[(i,)] = BaseBackend.parse_attr(spec)
+        signature |= dict.fromkeys(constexprs, "constexpr")
+        fixed |= {(kernel.arg_names.index(name),): value for name, value in constexprs.items()}
+        key = (kernel.__name__, tuple(signature.items()), tuple(fixed.items()), str(attrs), tuple(options.items()))
         if key not in seen:
             seen.add(key)
-            triton.compile(ASTSource(kernel, signature, constexprs=constexprs), target=GPUTarget("cuda", 90, 32),
-                           options=options)
-            print("built", kernel.__name__, "bf16" if "*bf16" in signature.values() else "fp32", flush=True)
+            built = triton.compile(ASTSource(kernel, signature, constexprs=fixed, attrs=attrs),
+                                   target=GPUTarget("cuda", 90, 32), options=options)
+            print("built", kernel.__name__, "bf16" if "*bf16" in signature.values() else "fp32",
+                  built.asm["ttgir"].count("async_copy_global_to_local"), flush=True)
 
 
 if __name__ == "__main__":

@@ -193,7 +193,7 @@ if triton is not None:
         rows = tl.where(s == K, s13, w13 + tl.load(ids + tok * K + tl.minimum(s, K - 1)) * 2 * inter * n)
         rows += c[:, None] * n  # (the gate rows; the up rows `width` below)
         gate, up = tl.zeros([BI], tl.float32), tl.zeros([BI], tl.float32)
-        for at in range(0, n, BH):
+        for at in tl.range(0, n, BH, num_stages=3):  # (the next tiles load during this one: see the down kernel)
             j = at + tl.arange(0, BH)
             xv = tl.load(x + tok * n + j, mask=j < n, other=0.0).to(tl.float32)[None, :]
             ok = (c[:, None] < width) & (j[None, :] < n)
@@ -207,16 +207,16 @@ if triton is not None:
     def _experts_down_kernel(act, ids, w, w2, s2, out, n, inter, s_inter, K: tl.constexpr, KS: tl.constexpr,
                              BO: tl.constexpr, BI: tl.constexpr):
         t, o = tl.program_id(0).to(tl.int64), tl.program_id(1) * BO + tl.arange(0, BO)  # (token t, outputs o)
-        total = tl.zeros([BO], tl.float32)
-        for s in range(KS):
+        total, wide = tl.zeros([BO], tl.float32), tl.maximum(inter, s_inter)
+        chunks = tl.cdiv(wide, BI)  # (a pair's activations in chunks; one loop over them all, which the compiler
+        for c in tl.range(0, KS * chunks, num_stages=3):  # pipelines: the next chunks' rows load during this one's)
+            s, j = c // chunks, c % chunks * BI + tl.arange(0, BI)
             e, width = tl.load(ids + t * K + tl.minimum(s, K - 1)), tl.where(s == K, s_inter, inter)
-            rows, y = tl.where(s == K, s2, w2 + e * n * inter) + o[:, None] * width, tl.zeros([BO], tl.float32)
-            for at in range(0, width, BI):
-                j = at + tl.arange(0, BI)
-                av = tl.load(act + (t * KS + s) * tl.maximum(inter, s_inter) + j, mask=j < width, other=0.0)
-                wv = tl.load(rows + j[None, :], mask=(o[:, None] < n) & (j[None, :] < width), other=0.0)
-                y += tl.sum(wv.to(tl.float32) * av.to(tl.float32)[None, :], 1)
-            total += tl.where(s == K, 1.0, tl.load(w + t * K + tl.minimum(s, K - 1)).to(tl.float32)) * y
+            gate = tl.where(s == K, 1.0, tl.load(w + t * K + tl.minimum(s, K - 1)).to(tl.float32))
+            av = tl.load(act + (t * KS + s) * wide + j, mask=j < width, other=0.0).to(tl.float32) * gate
+            rows = tl.where(s == K, s2, w2 + e * n * inter) + o[:, None] * width
+            wv = tl.load(rows + j[None, :], mask=(o[:, None] < n) & (j[None, :] < width), other=0.0)
+            total += tl.sum(wv.to(tl.float32) * av[None, :], 1)
         tl.store(out + t * n + o, total.to(out.dtype.element_ty), mask=o < n)
 
     @triton.jit
@@ -226,7 +226,7 @@ if triton is not None:
         row = _mix((tl.load(seeds + r) ^ (tl.load(positions + r) & 0xFFFFFFFF)).to(tl.uint32))
         greedy_row, t = tl.load(greedy + r) != 0, tl.load(temperature + r * t_stride)
         best, at = float("-inf"), 0
-        for start in range(0, v, BLOCK):
+        for start in tl.range(0, v, BLOCK, num_stages=3):  # (the next tiles load during this one)
             i = start + tl.arange(0, BLOCK)
             xv = tl.load(x + r * v + i, mask=i < v, other=float("-inf"))
             bits = _mix(row ^ tl.load(tokens + i, mask=i < v, other=0).to(tl.uint32))
