@@ -8,7 +8,9 @@ without the interpreter (conftest.py turns it on)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -32,11 +34,12 @@ def test_every_triton_kernel_of_a_decode_step_builds_for_hopper():
     assert p.returncode == 0, (p.stdout + p.stderr)[-4000:]
     built = [line.split() for line in p.stdout.splitlines() if line.startswith("built ")]
     assert {name for _, name, *_ in built} == KERNELS and {dtype for _, _, dtype, _ in built} == {"bf16", "fp32"}, built
-    # each loop over memory reads its next tiles while it computes on this one (the compiler's cp.async pipeline):
-    # the attention and score kernels' on their own (their loads feed tl.dot), the others by tl.range's num_stages
-    assert {name for _, name, _, copies in built if int(copies) == 0} == {"_combine_kernel", "_rms_kernel",
-                                                                          "_norm_rope_kernel", "_swiglu_kernel",
-                                                                          "_route_kernel"}, built
+    # each loop over keys, weights or the vocabulary reads its next tiles (not only their indices) while it computes
+    # on this one: the compiler's cp.async pipeline, on its own where the loads feed tl.dot (attention, scores), else
+    # by tl.range's num_stages (the largest tile it copies ahead, in elements, is the line's last field)
+    assert {name for _, name, _, tile in built if int(tile) < 1024} == {"_combine_kernel", "_rms_kernel",
+                                                                        "_norm_rope_kernel", "_swiglu_kernel",
+                                                                        "_route_kernel"}, built
 
 
 def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
@@ -133,10 +136,10 @@ def _build_every_launch() -> None:
     for kernel, args, constexprs in launches:
         options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
         signature, attrs, fixed = {}, {}, {}
-        for i, (name, arg) in enumerate(zip(kernel.arg_names, args)):  # (as Triton's launcher specializes them)
-            kind, spec = native_specialize_impl(BaseBackend, arg, False, name not in kernel.do_not_specialize,
-                                                name not in kernel.do_not_specialize_on_alignment)
-            signature[name] = kind
+        for i, (param, arg) in enumerate(zip(kernel.params, args)):  # (as Triton's launcher specializes them)
+            kind, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize,
+                                                not param.do_not_specialize_on_alignment)
+            signature[param.name] = kind
             if kind == "constexpr":  # (an integer 1)
                 fixed[(i,)] = spec
             elif spec:  # (a multiple of 16, or a pointer 16-byte aligned)
@@ -148,8 +151,9 @@ def _build_every_launch() -> None:
             seen.add(key)
             built = triton.compile(ASTSource(kernel, signature, constexprs=fixed, attrs=attrs),
                                    target=GPUTarget("cuda", 90, 32), options=options)
+            tiles = re.findall(r"async_copy_global_to_local .*?: tensor<([\dx]+)x!tt\.ptr", built.asm["ttgir"])
             print("built", kernel.__name__, "bf16" if "*bf16" in signature.values() else "fp32",
-                  built.asm["ttgir"].count("async_copy_global_to_local"), flush=True)
+                  max((math.prod(map(int, t.split("x"))) for t in tiles), default=0), flush=True)
 
 
 if __name__ == "__main__":
