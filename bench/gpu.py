@@ -51,17 +51,21 @@ PORT = 31999
 
 
 def section(results: dict, name: str, fn, *args) -> None:
+    from engine.kernels import triton_decode
+
     t = time.perf_counter()
     try:
         results[name] = fn(*args)
     except Exception as e:  # (one failed section must not lose the others' figures)
         results[name] = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     results[name]["section_s"] = round(time.perf_counter() - t, 1)
+    if triton_decode._failed:  # (a failed launch turns Triton off for good: this section's figures are the fallbacks')
+        results[name]["triton_failed"] = [repr(e)[:300] for e in triton_decode._failed]
     print(f"== {name} ({results[name]['section_s']} s)\n{json.dumps(results[name], indent=1)[:3000]}", flush=True)
 
 
 def run_tests() -> dict:
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", "tests/test_cuda.py",
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
                         "tests/test_triton_decode.py", "tests/test_triton_pointwise.py"],
                        cwd=ROOT, capture_output=True, text=True, timeout=400)
     return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
@@ -109,9 +113,26 @@ def prefill_ms(e: Engine, rows: int, prompt_len: int) -> float:
 
 
 def replay_ms(e: Engine, rows: int) -> float:
-    """Milliseconds of one replay of the (rows, shortest keys) graph alone: the step's GPU time, no host work."""
+    """Milliseconds of one replay of the (rows, shortest keys) graph alone, its rows at CONTEXT keys (`context`): the
+    step's GPU time, no host work."""
     graphs = e._runner.graphs
+    context(e, rows)
     return graph_ms(graphs._cuda.graphs[(rows, graphs.key_buckets[0])])
+
+
+CONTEXT = 320  # (keys a row in replay_ms and kernel_profile: the key bucket 28210f6's figures replayed)
+
+
+def context(e: Engine, rows: int):
+    """The (rows, shortest keys) graph's static inputs with every row at CONTEXT keys (slots 1..CONTEXT, written to
+    the padding slot): the kernels read each row's key count, and warm-up leaves one key a row (position 0)."""
+    g = e._runner.graphs
+    batch = g._cuda.view(rows, g.key_buckets[0])
+    keys = min(CONTEXT, batch.key_slots.shape[1])
+    batch.positions.fill_(keys - 1)
+    batch.key_slots[:, :keys] = torch.arange(1, keys + 1, device=batch.key_slots.device)
+    batch.out_cache_loc.zero_()
+    return batch
 
 
 def graph_ms(graph: torch.cuda.CUDAGraph) -> float:
@@ -137,8 +158,7 @@ def kernel_profile(e: Engine, rows: int, steps: int = 5) -> dict:
 def _kernel_profile(e: Engine, rows: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    g = e._runner.graphs
-    batch = g._cuda.view(rows, g.key_buckets[0])
+    g, batch = e._runner.graphs, context(e, rows)
     with torch.no_grad():
         g._cuda.step(batch)
         torch.cuda.synchronize()
@@ -455,7 +475,7 @@ def compiled_child(name: str) -> dict:
 
 
 def moe_forms() -> dict:
-    """The MoE's two CUDA forms for one layer, bf16, at 1-128 rows: each (token, expert) pair's Triton kernels against
+    """The MoE's two CUDA forms for one layer, bf16 (its input float32, as the norm before it writes it), at 1-128 rows: each (token, expert) pair's Triton kernels against
     the grouped matmuls, each form captured in a CUDA graph and replayed (ms a layer), for configs/tiny's experts
     (8, top-2, 256 x 256) and the mid-size model's (64, top-4, 2048 x 256): where `layers.PAIR_BYTES` should sit (the
     pairs run while they read at most that much more than the grouped form)."""
@@ -471,7 +491,7 @@ def moe_forms() -> dict:
             for name_, p in moe.named_parameters():  # (the router stays float32, as the loader keeps it)
                 p.data = (torch.randn_like(p) * p.shape[-1] ** -0.5).to(p.dtype if "router" in name_ else torch.bfloat16)
             for rows in (1, 4, 8, 16, 32, 64, 128):
-                x, times = torch.randn(rows, moe.w13.shape[-1], device="cuda", dtype=torch.bfloat16), {}
+                x, times = torch.randn(rows, moe.w13.shape[-1], device="cuda", dtype=layers.MoE.input_dtype), {}
                 for form, limit in (("pairs", 1 << 62), ("grouped", -(1 << 62))):
                     layers.PAIR_BYTES = limit
                     moe(x)  # (kernels built before the capture)
