@@ -99,8 +99,9 @@ def decode_steps(e: Engine, rows: int, new: int, temperature: float, prompt_len:
 
 
 def prefill_ms(e: Engine, rows: int, prompt_len: int) -> float:
-    """Milliseconds from `rows` new prompts to their first tokens, offline: the extend steps (eager: each request an
-    SDPA call a layer; the first burst of the server test pays this), then one token each."""
+    """Milliseconds from `rows` new prompts to their first tokens, offline: the extend steps (eager; several requests
+    within the top-k budget take decode attention's kernel, a query a row, one launch an attention call, else an SDPA
+    call a request; the first burst of the server test pays this), then one token each."""
     params = SamplingParams.from_dict({"max_new_tokens": 1, "temperature": 0.0})
     e.flush_cache()
     torch.cuda.synchronize()
