@@ -8,6 +8,7 @@ without the interpreter (conftest.py turns it on)."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import os
 import re
@@ -47,11 +48,6 @@ def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
     arguments' dtypes, and which integers and pointers are multiples of 16, unless told not to look). Every launch of
     extends (within the top-k budget and past it, mixed with a decoding request, at odd offsets) and of decode steps
     (at the one key width CUDA runs) carries a key that `build_kernels` (CUDA's start-up) launched."""
-    import inspect
-
-    from triton._C.libtriton import native_specialize_impl
-    from triton.backends.compiler import BaseBackend
-
     from engine.kernels import triton_indexer, triton_pointwise
     from engine.model import layers
     from engine.model.loader import load_model
@@ -62,12 +58,7 @@ def test_serving_builds_no_triton_kernel_that_start_up_did_not(monkeypatch):
     def keys() -> set:
         out = set()
         for kernel, args, constexprs in launches:
-            jit, params = kernel.kwargs, inspect.signature(kernel.fn).parameters.values()  # (the interpreter's function)
-            out.add((kernel.__name__, tuple(sorted(constexprs.items())), tuple(
-                a if "constexpr" in str(p.annotation) else native_specialize_impl(
-                    BaseBackend, a, False, p.name not in (jit["do_not_specialize"] or ()),
-                    p.name not in (jit["do_not_specialize_on_alignment"] or ()))
-                for p, a in zip(params, args))))
+            out.add((kernel.__name__, tuple(sorted(constexprs.items())), tuple(_specialized(kernel, args))))
         launches.clear()
         return out
 
@@ -102,9 +93,23 @@ class _Recorder:
         return lambda *args, **constexprs: self.launches.append((self.kernel, args, constexprs))
 
 
+def _specialized(kernel, args) -> list[tuple]:
+    """A launch's positional arguments as Triton's launcher specializes them (`native_specialize_impl`, as jit.py calls
+    it): (type, "D" for an integer multiple of 16 or a pointer 16-byte aligned), an integer 1 as ("constexpr", 1), a
+    constexpr parameter as its value; `kernel` a JITFunction or the interpreter's function (the decorator's arguments
+    in its `kwargs`), do_not_specialize(_on_alignment) naming parameters by name or index."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    flags = getattr(kernel, "kwargs", None) or vars(kernel)
+    dns, dnsa = (flags.get(k) or () for k in ("do_not_specialize", "do_not_specialize_on_alignment"))
+    return [("constexpr", a) if "constexpr" in str(p.annotation) else native_specialize_impl(
+        BaseBackend, a, False, not (i in dns or p.name in dns), not (i in dnsa or p.name in dnsa))
+        for i, (p, a) in enumerate(zip(inspect.signature(kernel.fn).parameters.values(), args))]
+
+
 def _build_every_launch() -> None:
     import triton
-    from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend, GPUTarget
     from triton.compiler import ASTSource
 
@@ -136,11 +141,9 @@ def _build_every_launch() -> None:
     for kernel, args, constexprs in launches:
         options = {k: constexprs.pop(k) for k in ("num_warps", "num_stages") if k in constexprs}
         signature, attrs, fixed = {}, {}, {}
-        for i, (param, arg) in enumerate(zip(kernel.params, args)):  # (as Triton's launcher specializes them)
-            kind, spec = native_specialize_impl(BaseBackend, arg, False, not param.do_not_specialize,
-                                                not param.do_not_specialize_on_alignment)
-            signature[param.name] = kind
-            if kind == "constexpr":  # (an integer 1)
+        for i, (name, (kind, spec)) in enumerate(zip(kernel.arg_names, _specialized(kernel, args))):
+            signature[name] = kind
+            if kind == "constexpr":  # (an integer 1, or a constexpr parameter)
                 fixed[(i,)] = spec
             elif spec:  # (a multiple of 16, or a pointer 16-byte aligned)
                 attrs[(i,)] = BaseBackend.parse_attr(spec)
