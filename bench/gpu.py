@@ -335,7 +335,7 @@ def server() -> dict:
     out: dict = {}
     p, out["startup_cold_s"] = start(log)
     try:
-        # ("first": a setting's first run, its prompts new to the server; "warm": the same prompts, their prefill cached)
+        # ("first": a setting's prompts new to the server; "warm": the same prompts again, their prefill cached)
         for n, (clients, temp) in enumerate(itertools.product((1, 64, 256), (0.0, 0.8))):
             for run in ("first", "warm"):
                 out[f"c{clients}_t{temp}_{run}"] = asyncio.run(load(clients, 256, temp, seed=1000 * (n + 1)))
@@ -476,10 +476,11 @@ def compiled_child(name: str) -> dict:
 
 
 def moe_forms() -> dict:
-    """The MoE's two CUDA forms for one layer, bf16 (its input float32, as the norm before it writes it), at 1-128 rows: each (token, expert) pair's Triton kernels against
-    the grouped matmuls, each form captured in a CUDA graph and replayed (ms a layer), for configs/tiny's experts
-    (8, top-2, 256 x 256) and the mid-size model's (64, top-4, 2048 x 256): where `layers.PAIR_BYTES` should sit (the
-    pairs run while they read at most that much more than the grouped form)."""
+    """The MoE's two CUDA forms for one layer, bf16 (its input float32, as the norm before it writes it), at 1-128
+    rows: each (token, expert) pair's Triton kernels against the grouped matmuls, each form captured in a CUDA graph
+    and replayed (ms a layer), for configs/tiny's experts (8, top-2, 256 x 256) and the mid-size model's (64, top-4,
+    2048 x 256): where `layers.PAIR_BYTES` should sit (the pairs run while they read at most that much more than the
+    grouped form)."""
     import dataclasses
 
     from engine.model import layers

@@ -64,7 +64,7 @@ class MHATokenToKVPool:
         return self.get_key_buffer(layer_id), self.v_buffer[layer_id]
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
-        """Write K and V rows `loc` of local layer `layer_id` (cast to the pool dtype), in place (both checked first)."""
+        """Write K and V rows `loc` of local layer `layer_id` (cast to the pool dtype), in place."""
         v = self._rows(loc, cache_v, "cache_v")  # (checked here, K in set_k_buffer: both before either is written)
         self.set_k_buffer(layer_id, loc, cache_k)
         self.v_buffer[layer_id].index_copy_(0, loc, v)
