@@ -52,7 +52,7 @@ bench: $(STAMP)
 bench-multiturn: $(STAMP)
 	$(PY) -m bench.multiturn $(BENCH_ARGS)
 
-# The CPU decode step at 2-64 rows, with and without the weight-product rewrite in the batch-dynamic graph (~3 min)
+# The CPU decode step at 2-64 rows: the batch-dynamic graph as it is, and with its weight products in two other forms (~3 min)
 bench-small-batch: $(STAMP)
 	$(PY) -m bench.small_batch
 

@@ -39,7 +39,7 @@ def _mem_total_bytes() -> int | None:
     return None
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -66,7 +66,7 @@ def machine_info(bw: Bandwidth) -> dict:
 
     return {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # (AVX2 or AVX512: the kernels' vector width)
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

@@ -1,9 +1,12 @@
 """`python -m bench.small_batch`: the CPU decode step at a few rows, the batch-dynamic graph as it is (its weight
-products MKL's) against the same graph with graph_passes' matvec-as-reduction rewrite applied to it too (as the
-batch-1 graph has it), their steps interleaved (bench/decode_graphs.py's `step_ms`). The rewrite is not in the
-tree: it was measured on one kind of CPU only (README, "Hierarchical KV cache"), and a CPU-only change needs a
-second; this measures it on any. Writes docs/benchmarks/small_batch.json (and $OUT/small_batch.json when OUT is
-set)."""
+products MKL's) against the same graph with its weight products in one of two other forms, the three engines' steps
+interleaved (bench/decode_graphs.py's `step_ms`):
+- rewritten: graph_passes' matvec-as-reduction rewrite applied to it too (as the batch-1 graph has it);
+- onednn: each product through oneDNN's float32 GEMM on a prepacked copy of its weight (`mkldnn._linear_pointwise`
+  over `_reorder_linear_weight`: the form inductor's own weight prepacking emits, and vLLM's CPU backend uses).
+Neither is in the tree: each was measured on one kind of CPU only (README, "Hierarchical KV cache"), and a CPU-only
+change needs a second; this measures them on any. Writes docs/benchmarks/small_batch.json (and
+$OUT/small_batch.json when OUT is set)."""
 
 from __future__ import annotations
 
@@ -25,18 +28,34 @@ from torch._inductor.pattern_matcher import (
 
 import engine.runtime.decode_graph as dg
 from bench.decode_graphs import step_ms
-from bench.machine import code_version
+from bench.machine import code_version, cpu_model
 from bench.ours import make_engine
 from engine.runtime import graph_passes
 from engine.runtime.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = (2, 4, 8, 16, 32, 64)
-VERSION = "many-rewritten-v1"  # (names the saved graph: change it with the rewrite)
+VERSIONS = {"rewritten": "many-rewritten-v1", "onednn": "many-onednn-v1"}  # (name the saved graphs: change with a form)
 aten = torch.ops.aten
 
 
 _FORMS = PatternMatcherPass(pass_name="many_row_matvec_as_reduction")
+_ONEDNN = PatternMatcherPass(pass_name="many_row_products_through_onednn")
+_PACKED: dict[tuple, torch.Tensor] = {}  # (a weight's address and shape -> its packed copy, made at its first call)
+
+
+@torch.library.custom_op("small_batch::packed_linear", mutates_args=())
+def packed_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w.T through oneDNN on a copy of the weight w [N, K] packed once (the weights never move under a graph)."""
+    key = (w.data_ptr(), tuple(w.shape))
+    if (packed := _PACKED.get(key)) is None:
+        packed = _PACKED[key] = torch.ops.mkldnn._reorder_linear_weight(w, None)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return x.new_empty(x.shape[0], w.shape[0])
 
 
 def _decode_rows(match: Match) -> bool:
@@ -53,22 +72,49 @@ register_graph_pattern(CallFunction(aten.addmm, KeywordArg("bias"), KeywordArg("
                        extra_check=_decode_rows, pass_dict=_FORMS)(graph_passes._addmm)
 
 
+def _weight_product(match: Match) -> bool:
+    """A product of the batch-dynamic graph's rows by a weight (a graph input, transposed), addmm's unscaled."""
+    a, w = match.kwargs["a"].meta.get("val"), match.kwargs["w"]
+    return (a is not None and a.device.type == "cpu" and a.dim() == 2 and not isinstance(a.shape[0], int)
+            and w.op == "placeholder" and list(match.kwargs["dims"]) == [1, 0]
+            and all(match.output_node().kwargs.get(k, 1) == 1 for k in ("beta", "alpha")))
+
+
+_WEIGHT_T = CallFunction(aten.permute, KeywordArg("w"), KeywordArg("dims"))
+
+
+@register_graph_pattern(CallFunction(aten.mm, KeywordArg("a"), _WEIGHT_T), extra_check=_weight_product,
+                        pass_dict=_ONEDNN)
+def _mm_onednn(match: Match, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
+    match.replace_by_example(lambda a, w: packed_linear(a, w), [a, w])
+
+
+@register_graph_pattern(CallFunction(aten.addmm, KeywordArg("bias"), KeywordArg("a"), _WEIGHT_T),
+                        extra_check=_weight_product, pass_dict=_ONEDNN)
+def _addmm_onednn(match: Match, bias: torch.fx.Node, a: torch.fx.Node, w: torch.fx.Node, dims: Any) -> None:
+    match.replace_by_example(lambda bias, a, w: packed_linear(a, w) + bias, [bias, a, w])
+
+
 class ManyRowForms(CustomGraphPass):
+    def __init__(self, form: str) -> None:
+        self.form = form
+
     def __call__(self, graph: torch.fx.Graph) -> None:
-        _FORMS.apply(graph)
+        (_FORMS if self.form == "rewritten" else _ONEDNN).apply(graph)
 
     def uuid(self) -> Any:
-        return VERSION
+        return VERSIONS[self.form]
 
 
-def build(rewrite: bool) -> Engine:
+def build(form: str | None) -> Engine:
+    """An engine whose batch-dynamic graph has its weight products in `form` (None: as it is)."""
     init = dg.DecodeGraphs.__init__
 
     def patched(self, model, pool, *args, **kwargs) -> None:
         init(self, model, pool, *args, **kwargs)
-        if rewrite and hasattr(self, "_many"):
-            self._many = dg.PrecompiledStep(dg.decode_step, {"post_grad_custom_post_pass": ManyRowForms()},
-                                            dg.store_path(VERSION, model, pool), dg._marked)
+        if form and hasattr(self, "_many"):
+            self._many = dg.PrecompiledStep(dg.decode_step, {"post_grad_custom_post_pass": ManyRowForms(form)},
+                                            dg.store_path(VERSIONS[form], model, pool), dg._marked)
 
     dg.DecodeGraphs.__init__ = patched
     t = time.perf_counter()
@@ -77,20 +123,22 @@ def build(rewrite: bool) -> Engine:
                         max_running_requests=max(ROWS), cuda_graph_bs=[1, *ROWS])
     finally:
         dg.DecodeGraphs.__init__ = init
-    print(f"{'rewritten' if rewrite else 'as it is'}: ready in {time.perf_counter() - t:.0f} s", flush=True)
+    print(f"{form or 'as it is'}: ready in {time.perf_counter() - t:.0f} s", flush=True)
     return e
 
 
 def main() -> None:
-    engines = (build(False), build(True))
+    forms = ["rewritten", *(["onednn"] if torch.backends.mkldnn.is_available() else [])]
+    engines = (build(None), *(build(f) for f in forms))
     out: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
                  "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                 "rows": {}}
+                 "cpu": cpu_model(), "rows": {}}
     for rows in ROWS:
-        base, new = step_ms(engines, rows)  # (the two engines' steps interleaved)
-        out["rows"][rows] = {"as_it_is_ms": round(base, 2), "rewritten_ms": round(new, 2),
-                             "speedup": round(base / new, 3)}
-        print(f"{rows:3d} rows: {base:6.2f} -> {new:6.2f} ms ({base / new:.2f}x)", flush=True)
+        base, *new = step_ms(engines, rows)  # (the engines' steps interleaved)
+        out["rows"][rows] = {"as_it_is_ms": round(base, 2)} | {
+            k: v for f, ms in zip(forms, new) for k, v in ((f"{f}_ms", round(ms, 2)), (f"{f}_speedup", round(base / ms, 3)))}
+        print(f"{rows:3d} rows: as it is {base:6.2f} ms; " + "; ".join(
+            f"{f} {ms:6.2f} ms ({base / ms:.2f}x)" for f, ms in zip(forms, new)), flush=True)
     text = json.dumps(out, indent=1) + "\n"
     (ROOT / "docs" / "benchmarks" / "small_batch.json").write_text(text)
     if os.environ.get("OUT"):
