@@ -1,23 +1,25 @@
 """`make bench-gpu` (`python -m bench.gpu`): the whole GPU check in one command, about 8 minutes on one GPU.
 
-1. tests/test_cuda.py.
-2. Startup: `python -m server --device cuda` on configs/tiny until /health is 200, twice (cold, then warm).
-3. The server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
-4. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8 (again with
-   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows; the kernels of a step (profiled); a
-   trace of steady engine steps (GPU busy share, host waits; the traces, gzipped, into $OUT).
-5. Ours captured and eager against transformers `generate`, batch 1 and 64 (the transformers copy of the weights).
-6. A mid-size MiniMax-M3-shaped model (dummy weights, ~1.5B parameters, 64 experts top-4): its capture time and
+1. Offline steady state (configs/tiny, bf16): a decode step of 64 rows greedy and at temperature 0.8 (again with
+   --disable-overlap-schedule: the overlap's gain), and of 1 and 256 rows; then the kernels of a step (profiled), a
+   trace of steady engine steps (GPU busy share, host waits; the traces, gzipped, into $OUT), long contexts.
+2. Ours captured and eager against transformers `generate`, batch 1 and 64 (the transformers copy of the weights).
+3. A mid-size MiniMax-M3-shaped model (dummy weights, ~1.5B parameters, 64 experts top-4): its capture time and
    its batch-1 time a token against its weight bytes read at the HBM bandwidth measured in the same run, and
    the kernels of its batch-1 step (profiled).
+4. Startup: `python -m server --device cuda` on configs/tiny until /health is 200, twice (cold, then warm); the
+   server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
+5. tests/test_cuda.py and the Triton kernels' tests, in the time left.
 
-Writes docs/benchmarks/gpu.json and prints it with the ratios against the targets. A section that fails is
-recorded with its error and the rest still run. Sections named on the command line run alone; four run only when
-named: `cpu_small_batch` (bench/small_batch.py on the host's CPU), `moe_forms` (the MoE's pair kernels against its
-grouped matmuls, 1-128 rows: where PAIR_BYTES should sit), and two experiments for the next design step:
-`startup_phases` (a start's seconds by phase) and `compiled_capture` (--enable-torch-compile: the step compiled by
-inductor, then captured, against the eager step's capture: ready seconds cold and warm, replay ms and kernels, steps,
-greedy tokens; the mid-size model compiled: its ready seconds and roofline fraction).
+Writes docs/benchmarks/gpu.json (and $OUT/gpu.json) after every section, so a run cut short keeps what it measured,
+and prints the ratios against the targets at the end. A section that fails is recorded with its error and the rest
+still run; one that would start past BENCH_GPU_DEADLINE_S (480 s from the start) is skipped. Sections named on the
+command line run alone; four run only when named: `cpu_small_batch` (bench/small_batch.py on the host's CPU: the
+CPU-only candidates measured on a second kind of CPU), `moe_forms` (the MoE's pair kernels against its grouped
+matmuls, 1-128 rows: where PAIR_BYTES should sit), and two experiments for the next design step: `startup_phases` (a
+start's seconds by phase) and `compiled_capture` (--enable-torch-compile: the step compiled by inductor, then
+captured, against the eager step's capture: ready seconds cold and warm, replay ms and kernels, steps, greedy
+tokens; the mid-size model compiled: its ready seconds and roofline fraction).
 """
 
 from __future__ import annotations
@@ -48,12 +50,19 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ROOT / "configs" / "tiny"
 OUT = ROOT / "docs" / "benchmarks" / "gpu.json"
 PORT = 31999
+STARTED, DEADLINE_S = time.perf_counter(), float(os.environ.get("BENCH_GPU_DEADLINE_S", 480))
 
 
 def section(results: dict, name: str, fn, *args) -> None:
+    """Run one section into results[name] (its error instead, if it raises) and save the results so far: a run cut
+    short (the device's command limit, a crash no section can catch) keeps what it measured. Past the run's
+    DEADLINE_S a section is skipped, so that the file is written in time."""
     from engine.kernels import triton_decode
 
     t = time.perf_counter()
+    if t - STARTED > DEADLINE_S:
+        results[name] = {"skipped": f"past the run's {DEADLINE_S} s (BENCH_GPU_DEADLINE_S)"}
+        return save(results)
     try:
         results[name] = fn(*args)
     except Exception as e:  # (one failed section must not lose the others' figures)
@@ -62,12 +71,24 @@ def section(results: dict, name: str, fn, *args) -> None:
     if triton_decode._failed:  # (a failed launch turns Triton off for good: this section's figures are the fallbacks')
         results[name]["triton_failed"] = [repr(e)[:300] for e in triton_decode._failed]
     print(f"== {name} ({results[name]['section_s']} s)\n{json.dumps(results[name], indent=1)[:3000]}", flush=True)
+    save(results)
+
+
+def save(results: dict) -> None:
+    text = json.dumps(results, indent=1) + "\n"
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.write_text(text)
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "gpu.json").write_text(text)
 
 
 def run_tests() -> dict:
+    """tests/test_cuda.py and the Triton kernels' tests, in the time the run has left (they run last: the sections
+    before them have filled Triton's cache)."""
+    left = max(60, DEADLINE_S - (time.perf_counter() - STARTED))
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
                         "tests/test_triton_decode.py", "tests/test_triton_pointwise.py"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=400)
+                       cwd=ROOT, capture_output=True, text=True, timeout=left)
     return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
 
 
@@ -146,17 +167,18 @@ def graph_ms(graph: torch.cuda.CUDAGraph) -> float:
     return round((time.perf_counter() - t) / 50 * 1e3, 4)
 
 
+def tried(fn, *args) -> dict:
+    """fn(*args), or its error: a part of a section that fails (a profiler, a long context) keeps the others."""
+    try:
+        return fn(*args)
+    except Exception as err:
+        return {"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()[-1500:]}
+
+
 def kernel_profile(e: Engine, rows: int, steps: int = 5) -> dict:
     """Where a captured step's GPU time goes: the eager step its (rows, shortest keys) graph replays, profiled: its
     kernels and their summed time a step, the heaviest by name, and the replay's ms (kernel time well under the
     replay: the step is bound by kernel launches and gaps; near it, by the kernels themselves)."""
-    try:
-        return _kernel_profile(e, rows, steps)
-    except Exception as err:  # (a profiler failure must not lose the section's other figures)
-        return {"error": f"{type(err).__name__}: {err}"}
-
-
-def _kernel_profile(e: Engine, rows: int, steps: int) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     g, batch = e._runner.graphs, context(e, rows)
@@ -179,11 +201,13 @@ def step_trace(e: Engine, rows: int, temperature: float, steps: int = 12) -> dic
     profiled (host and GPU): the GPU's busy share of the window (its kernels' summed time), the host's waits (event
     and stream syncs, copies) and its heaviest ops; the trace itself, gzipped, into $OUT for chrome://tracing. A step
     well above the GPU's busy time with little host waiting says the host bounds it; a GPU busy throughout, the
-    kernels. (The offline figures above measure the same steps without the profiler's overhead.)"""
+    kernels. (The offline figures above measure the same steps without the profiler's overhead.) Its requests are
+    finished whatever happens, so that a failure leaves no rows to the next measurement."""
     try:
         return _step_trace(e, rows, temperature, steps)
-    except Exception as err:  # (a profiler failure must not lose the section's other figures)
-        return {"error": f"{type(err).__name__}: {err}"}
+    finally:
+        while e.has_work():
+            e.step()
 
 
 def _step_trace(e: Engine, rows: int, temperature: float, steps: int) -> dict:
@@ -204,8 +228,6 @@ def _step_trace(e: Engine, rows: int, temperature: float, steps: int) -> dict:
         for _ in range(steps):
             e.step()
         wall = time.perf_counter() - t
-    while e.has_work():
-        e.step()
     avg = prof.key_averages()
     gpu_us = sum(k.device_time_total for k in avg if k.device_type.name == "CUDA")
     waits = {k.key: [k.count, round(k.self_cpu_time_total / 1e3, 2)] for k in avg
@@ -228,27 +250,42 @@ def offline() -> dict:
     e = engine(TINY, graphs=True)
     out = {"engine_ready_s": round(time.perf_counter() - t, 1), "graphs": e._runner.graphs.info(),
            "replay_only_ms": {rows: replay_ms(e, rows) for rows in (1, 64, 256)}}
-    out["profile"] = {rows: kernel_profile(e, rows) for rows in (1, 64)}
     decode_steps(e, 64, 32, 0.0)  # warm
     for name, rows, temp in (("rows64_greedy", 64, 0.0), ("rows64_t08", 64, 0.8), ("rows1_greedy", 1, 0.0),
                              ("rows256_greedy", 256, 0.0)):
         out[name] = decode_steps(e, rows, 128, temp)
     out["graphs_after"] = e._runner.graphs.info()
-    out["prefill_ms"] = {f"{r}x{n}": [prefill_ms(e, r, n) for _ in range(3)] for r, n in ((1, 128), (64, 128),
-                                                                                          (1, 2048))}
-    out["trace"] = {f"{rows}_t{temp}": step_trace(e, rows, temp) for rows, temp in ((64, 0.0), (64, 0.8), (1, 0.0))}
     out["temp_over_greedy_64"] = round(out["rows64_t08"]["step_ms"] / out["rows64_greedy"]["step_ms"], 3)
-    # (long contexts on the graphs: a step's cost grows with its rows' keys, the graph is the same; before the Triton
-    # decode kernels a context past 8,192 keys ran eager)
-    out["long_context_step_ms"] = {f"rows{r}_keys{n}": decode_steps(e, r, 64, 0.0, prompt_len=n)["step_ms"]
-                                   for r, n in ((1, 500), (1, 8000), (1, 60000), (8, 30000))}
+    # (the parts below each on their own: one that fails keeps the figures above; the profilers after the timings)
+    out["profile"] = {rows: tried(kernel_profile, e, rows) for rows in (1, 64)}
+    out["prefill_ms"] = tried(prefills, e)
+    out["trace"] = {f"{rows}_t{temp}": tried(step_trace, e, rows, temp) for rows, temp in ((64, 0.0), (64, 0.8),
+                                                                                          (1, 0.0))}
+    out["long_context_step_ms"] = tried(long_contexts, e)
     out["long_context_graphs"] = e._runner.graphs.info()
     del e
-    off = engine(TINY, graphs=True, cuda_graph_bs=[64], disable_overlap_schedule=True)  # (each step read back)
+    out["overlap_off"] = tried(overlap_off, out)
+    return out
+
+
+def prefills(e: Engine) -> dict:
+    return {f"{r}x{n}": [prefill_ms(e, r, n) for _ in range(3)] for r, n in ((1, 128), (64, 128), (1, 2048))}
+
+
+def long_contexts(e: Engine) -> dict:
+    """Steps over long contexts on the graphs: a step's cost grows with its rows' keys, the graph is the same (before
+    the Triton decode kernels a context past 8,192 keys ran eager)."""
+    return {f"rows{r}_keys{n}": decode_steps(e, r, 64, 0.0, prompt_len=n)["step_ms"]
+            for r, n in ((1, 500), (1, 8000), (1, 60000), (8, 30000))}
+
+
+def overlap_off(on: dict) -> dict:
+    """The 64-row steps again with --disable-overlap-schedule (each step read back before the next is launched)."""
+    off, out = engine(TINY, graphs=True, cuda_graph_bs=[64], disable_overlap_schedule=True), {}
     decode_steps(off, 64, 32, 0.0)
     for name, temp in (("rows64_greedy", 0.0), ("rows64_t08", 0.8)):
-        out[f"{name}_overlap_off_ms"] = decode_steps(off, 64, 128, temp)["step_ms"]
-        out[f"{name}_overlap_gain"] = _ratio(out[f"{name}_overlap_off_ms"], out[name]["step_ms"])
+        out[f"{name}_ms"] = decode_steps(off, 64, 128, temp)["step_ms"]
+        out[f"{name}_overlap_gain"] = _ratio(out[f"{name}_ms"], on[name]["step_ms"])
     return out
 
 
@@ -301,7 +338,7 @@ def start(log: Path) -> tuple[subprocess.Popen, float]:
     p = subprocess.Popen([sys.executable, "-m", "server", "--device", "cuda", "--port", str(PORT),
                           "--max-running-requests", "256", "--max-total-tokens", str(256 * 1024)],
                          cwd=ROOT, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    while time.perf_counter() - t < 300:
+    while time.perf_counter() - t < 120:
         try:
             if httpx.get(f"http://127.0.0.1:{PORT}/health", timeout=2).status_code == 200:
                 return p, time.perf_counter() - t
@@ -310,14 +347,24 @@ def start(log: Path) -> tuple[subprocess.Popen, float]:
         if p.poll() is not None:
             raise RuntimeError(f"server exited: {log.read_text()[-2000:]}")
         time.sleep(0.2)
-    p.kill()
-    raise RuntimeError("no /health 200 within 300 s")
+    stop(p)
+    raise RuntimeError("no /health 200 within 120 s")
+
+
+def stop(p: subprocess.Popen) -> None:
+    """Stop a server, killed if it has not exited 30 s after SIGTERM (else it keeps the port and its GPU memory)."""
+    p.terminate()
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
 
 
 async def load(clients: int, new: int, temperature: float, port: int = PORT, seed: int = 1000) -> dict:
     """`clients` concurrent clients, one /generate each (256 new tokens): tokens/s over the wall time. Prompts from
     `seed` on: a run with seeds of its own finds none of its prompts in the prefix cache (its extend runs whole)."""
-    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=600,
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=120,
                                  limits=httpx.Limits(max_connections=clients + 8)) as c:
         async def one(i: int) -> int:
             r = await c.post("/generate", json={"input_ids": prompt(seed + i, 128, 4000), "sampling_params": {
@@ -342,11 +389,9 @@ def server() -> dict:
         info = httpx.get(f"http://127.0.0.1:{PORT}/server_info", timeout=30).json()
         out["server_info_graphs"] = {k: v for k, v in info.items() if "graph" in k}
     finally:
-        p.terminate()
-        p.wait(30)
+        stop(p)
     p, out["startup_warm_s"] = start(log)
-    p.terminate()
-    p.wait(30)
+    stop(p)
     out["log_tail"] = log.read_text()[-1500:]
     return out
 
@@ -518,8 +563,8 @@ def main() -> None:
     results: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
                      "gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     only = set(sys.argv[1:])
-    for name, fn in (("tests", run_tests), ("offline", offline), ("versus_transformers", versus_transformers),
-                     ("midsize", midsize), ("server", server)):
+    for name, fn in (("offline", offline), ("versus_transformers", versus_transformers), ("midsize", midsize),
+                     ("server", server), ("tests", run_tests)):
         if not only or name in only:
             section(results, name, fn)
     for name, fn in (("cpu_small_batch", cpu_small_batch), ("startup_phases", startup_phases),
@@ -538,10 +583,7 @@ def main() -> None:
         "midsize_ready_s (<= 60)": mid.get("ready_s"), "midsize_fraction_of_roofline (>= 0.3)": mid.get("fraction_of_roofline"),
     }
     print(json.dumps(results["targets"], indent=1))
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(results, indent=1) + "\n")
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu.json").write_text(json.dumps(results, indent=1) + "\n")
+    save(results)
 
 
 def _ratio(a, b):
