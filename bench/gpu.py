@@ -82,14 +82,34 @@ def save(results: dict) -> None:
         Path(os.environ["OUT"], "gpu.json").write_text(text)
 
 
+def left(cap: float) -> float:
+    """Seconds a child process may take: `cap`, or less, what the run has left before its deadline (at least 60)."""
+    return max(60.0, min(cap, DEADLINE_S - (time.perf_counter() - STARTED)))
+
+
+def child(args: list[str], cap: float, env: dict | None = None) -> subprocess.CompletedProcess | dict:
+    """`python args` in the repository, within `left(cap)` seconds; past them, the error to record instead."""
+    try:
+        return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=left(cap))
+    except subprocess.TimeoutExpired as e:
+        return {"error": f"{' '.join(args)[:80]}: not done in {e.timeout:.0f} s"}
+
+
+def child_json(args: list[str], cap: float, env: dict | None = None) -> dict:
+    """The JSON a child process prints last, or what went wrong."""
+    r = child(args, cap, env)
+    if isinstance(r, dict):
+        return r
+    return json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2500:]}
+
+
 def run_tests() -> dict:
     """tests/test_cuda.py and the Triton kernels' tests, in the time the run has left (they run last: the sections
     before them have filled Triton's cache)."""
-    left = max(60, DEADLINE_S - (time.perf_counter() - STARTED))
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py",
-                        "tests/test_triton_decode.py", "tests/test_triton_pointwise.py"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=left)
-    return {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
+    p = child(["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_cuda.py", "tests/test_triton_decode.py",
+               "tests/test_triton_pointwise.py"], 400)
+    return p if isinstance(p, dict) else {"rc": p.returncode, "tail": (p.stdout + p.stderr)[-2500:]}
 
 
 # ---- the engine offline ----------------------------------------------------------------------------------------
@@ -478,10 +498,7 @@ print(json.dumps(out))
 def startup_phases() -> dict:
     """Where a start's seconds go (configs/tiny, as `python -m server --device cuda` builds it), twice; and the
     host time of a second capture of every graph, by function (ms: aten ops, CUDA API calls, graph instantiation)."""
-    runs = [subprocess.run([sys.executable, "-c", PHASES, str(TINY)], cwd=ROOT, capture_output=True, text=True,
-                           timeout=300) for _ in range(2)]
-    return {f"run{i}": json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else r.stderr[-1500:]
-            for i, r in enumerate(runs)}
+    return {f"run{i}": child_json(["-c", PHASES, str(TINY)], 300) for i in range(2)}
 
 
 def compiled_capture() -> dict:
@@ -494,9 +511,7 @@ def compiled_capture() -> dict:
     for name in ("eager", "compiled", "compiled_again", "midsize_compiled"):  # (the cold runs in an empty cache)
         env = os.environ | {"TORCHINDUCTOR_CACHE_DIR": cache if "again" in name or name == "compiled"
                             else tempfile.mkdtemp()}
-        r = subprocess.run([sys.executable, "-m", "bench.gpu", "--child", name], cwd=ROOT, env=env,
-                           capture_output=True, text=True, timeout=500)
-        out[name] = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else {"error": r.stderr[-2500:]}
+        out[name] = child_json(["-m", "bench.gpu", "--child", name], 500, env)
     runs = [out[n].get("greedy_tokens") for n in ("eager", "compiled", "compiled_again")]
     out["same_greedy_tokens"] = all(runs) and runs[0] == runs[1] == runs[2]
     out["compiled_over_eager"] = {k: _ratio(out["compiled"].get(k), out["eager"].get(k))
@@ -552,7 +567,9 @@ def moe_forms() -> dict:
 
 
 def cpu_small_batch() -> dict:
-    subprocess.run([sys.executable, "-m", "bench.small_batch"], cwd=ROOT, check=True, timeout=500)
+    r = child(["-m", "bench.small_batch"], 500)
+    if isinstance(r, dict) or r.returncode:
+        return r if isinstance(r, dict) else {"error": r.stderr[-2500:]}
     return json.loads((ROOT / "docs" / "benchmarks" / "small_batch.json").read_text())
 
 
@@ -567,9 +584,9 @@ def main() -> None:
                      ("server", server), ("tests", run_tests)):
         if not only or name in only:
             section(results, name, fn)
-    for name, fn in (("cpu_small_batch", cpu_small_batch), ("startup_phases", startup_phases),
-                     ("compiled_capture", compiled_capture), ("moe_forms", moe_forms)):
-        if name in only:  # (opt-in: the host's CPU for bench/small_batch.py's A/B; the two design experiments)
+    for name, fn in (("moe_forms", moe_forms), ("startup_phases", startup_phases),
+                     ("compiled_capture", compiled_capture), ("cpu_small_batch", cpu_small_batch)):
+        if name in only:  # (opt-in, the quick ones first: the MoE's forms; the design experiments; the host's CPU)
             section(results, name, fn)
     off, srv = results.get("offline", {}), results.get("server", {})
     vs, mid = results.get("versus_transformers", {}), results.get("midsize", {})
