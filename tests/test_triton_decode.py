@@ -107,7 +107,9 @@ def test_bf16_kernels_are_within_bf16_rounding(heads, group, dim, bf16_dots):
 
 
 @pytest.mark.parametrize("block_size", [64, 16])
-def test_block_score_kernel_equals_the_gathered_form(block_size):
+@pytest.mark.parametrize("programs", [1, 64, 10**4])  # (a row's blocks all in one program; some; a program a block)
+def test_block_score_kernel_equals_the_gathered_form(block_size, programs, monkeypatch):
+    monkeypatch.setattr(triton_indexer, "_programs", lambda device: programs)
     q, k, _, key_slots, lengths = _case(torch.float32, 1, 2, 32)
     iq, ik = q[:, 0], k
     got = triton_indexer._scores(iq, ik, key_slots, lengths, block_size)

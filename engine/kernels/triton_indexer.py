@@ -34,13 +34,9 @@ def _gathered_scores(iq, ik_buf, key_slots, lengths, block_size):
     return block_scores(iq[:, None], ik_buf[key_slots][:, :, 0], visible[:, None], block_size)[:, :, 0]
 
 
-def _selected(scores, q_pos, block_size, topk, init, local, masks=None):
-    masks = block_masks(q_pos[:, None], scores.shape[-1], block_size, topk, init, local) if masks is None else masks
-    return select_blocks(scores[:, :, None], masks)[:, :, 0]
-
-
 def _selected_attention(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, topk, init, local, scale, masks=None):
-    blocks = _selected(scores, q_pos, block_size, topk, init, local, masks)
+    masks = block_masks(q_pos[:, None], scores.shape[-1], block_size, topk, init, local) if masks is None else masks
+    blocks = select_blocks(scores[:, :, None], masks)[:, :, 0]
     return triton_decode.paged_block_attention(q, k_buf, v_buf, key_slots, blocks, q_pos, block_size, scale)
 
 
@@ -49,10 +45,10 @@ def _selected_attention(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, t
                                                                 dtype=torch.float32))
 def _scores(iq, ik_buf, key_slots, lengths, block_size):
     (b, h, d), nb = iq.shape, -(-key_slots.shape[1] // block_size)
-    per = -(-nb // max(1, min(nb, _programs(iq.device) // b)))  # (blocks a program)
     out = torch.empty(b, h, nb, device=iq.device)
-    _scores_kernel[(b, -(-nb // per))](iq.contiguous(), ik_buf, key_slots, lengths, out, key_slots.stride(0), nb, per,
-                                       H=h, HP=max(16, triton.next_power_of_2(h)), D=d, BS=block_size)
+    _scores_kernel[(b, max(1, min(nb, _programs(iq.device) // b)))](iq.contiguous(), ik_buf, key_slots, lengths, out,
+                                                                    key_slots.stride(0), nb, H=h, D=d, BS=block_size,
+                                                                    HP=max(16, triton.next_power_of_2(h)), FILL=64)
     return out
 
 
@@ -63,17 +59,22 @@ def _select_attend(q, k_buf, v_buf, key_slots, scores, q_pos, block_size, topk, 
 
 
 if triton is not None:
-    @triton.jit(do_not_specialize=["per"])
-    def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, per, H: tl.constexpr, HP: tl.constexpr,
-                       D: tl.constexpr, BS: tl.constexpr):
-        r, s = tl.program_id(0).to(tl.int64), tl.program_id(1)  # (r * slot_stride: int64)
+    @triton.jit
+    def _scores_kernel(iq, ik, slots, lengths, out, slot_stride, nb, H: tl.constexpr, HP: tl.constexpr,
+                       D: tl.constexpr, BS: tl.constexpr, FILL: tl.constexpr):
+        """Row r's blocks with keys dealt round its programs (a short context's few over many: a block each), then the
+        rest, -inf, a run a program, FILL blocks a store (64 rows x 65,536 keys: 4 programs a row, 1,024 blocks)."""
+        r, s, p = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.num_programs(1)  # (r * slot_stride: int64)
         n = tl.load(lengths + r).to(tl.int32)
         h, d, j = tl.arange(0, HP), tl.arange(0, D), tl.arange(0, BS)
         qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
-        last, keyed = tl.minimum(s * per + per, nb), tl.minimum(s * per + per, tl.cdiv(n, BS))
-        for blk in range(tl.maximum(keyed, s * per), last):  # (blocks past the row's keys)
-            tl.store(out + (r * H + h) * nb + blk, tl.full([HP], float("-inf"), tl.float32), mask=h < H)
-        for blk in range(s * per, keyed):
+        keyed = tl.cdiv(n, BS)
+        lo = keyed + s * tl.cdiv(nb - keyed, p)  # (a run of the rest each)
+        hi = tl.minimum(lo + tl.cdiv(nb - keyed, p), nb)
+        for first in range(lo, hi, FILL):  # (blocks past the row's keys)
+            c = first + tl.arange(0, FILL)[None, :]
+            tl.store(out + (r * H + h[:, None]) * nb + c, float("-inf"), mask=(h[:, None] < H) & (c < hi))
+        for blk in range(s, keyed, p):
             pos = blk * BS + j
             ok = pos < n
             at = tl.load(slots + r * slot_stride + pos, mask=ok, other=0).to(tl.int64)[:, None] * D + d[None, :]
