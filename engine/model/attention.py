@@ -100,8 +100,8 @@ def _extend(layer_id: int, q: torch.Tensor, iq: torch.Tensor | None, batch: Forw
             o.update(zip(run, _causal_sdpa(q, k_buf, v_buf, [segs[i] for i in run], batch.slots_of(run), scale)))
         for i, seg in enumerate(segs):
             if i not in o:  # (block-sparse: past the top-k budget)
-                o[i] = _sparse_segment(layer_id, q[seg.start:seg.end], iq[seg.start:seg.end], seg, pool,
-                                       cfg).view(seg.queries, q.shape[1], -1)
+                o[i] = _sparse_segment(layer_id, q[seg.start:seg.end], iq[seg.start:seg.end], seg, pool, cfg, k_buf,
+                                       v_buf).view(seg.queries, q.shape[1], -1)
         out = torch.cat([o[i] for i in range(len(segs))])
     if kind != "sparse_index_kv":
         return out.reshape(t, -1), None
@@ -126,10 +126,9 @@ def _runs(idx: tuple[int, ...], segs: list[Segment]) -> list[tuple[int, ...]]:
 
 
 def _sparse_segment(layer_id: int, q: torch.Tensor, iq: torch.Tensor, seg: Segment, pool: MiniMaxSparseKVPool,
-                    cfg: ModelConfig) -> torch.Tensor:
+                    cfg: ModelConfig, k_buf: torch.Tensor, v_buf: torch.Tensor) -> torch.Tensor:
     """A segment's block-sparse attention, its queries in chunks of QUERY_CHUNK -> [queries, n_q * D]."""
     ik = pool.get_index_k_buffer(layer_id)[seg.slots][:, 0]  # [N, D_I]
-    k_buf, v_buf = pool.get_kv_buffer(layer_id)
     chunks = [(a, min(a + QUERY_CHUNK, seg.queries)) for a in range(0, seg.queries, QUERY_CHUNK)]
     return torch.cat([_sparse_chunk(q[a:b], iq[a:b], ik, k_buf, v_buf, seg, a, b, cfg) for a, b in chunks])
 

@@ -97,8 +97,7 @@ class Scheduler:
             # NOTE: keep a slot per request decoding next step: admitting new work must not force a retraction at once.
             reserve = len(self.running) + len(chosen) + 1 + sum(k for _, k in chosen)
             if not self.kv.can_allocate(n + reserve):
-                n = self.kv.room() - reserve
-                if n <= 0 or chosen or self.running:
+                if (n := self.kv.room() - reserve) <= 0 or chosen or self.running:
                     if req.num_computed == req.kv.cached:  # nothing computed yet: give the row back
                         self._free_kv(req)
                     break

@@ -63,8 +63,7 @@ def kv_pool_tokens(args: EngineArgs, model: MiniMaxM3Model, dtype: torch.dtype, 
     """KV pool size in tokens: --max-total-tokens, else the byte budget divided by bytes per token."""
     if args.max_total_tokens is not None:
         return args.max_total_tokens
-    budget = args.kv_cache_bytes
-    if budget is None and device.type == "cuda":
+    if (budget := args.kv_cache_bytes) is None and device.type == "cuda":
         budget = int(torch.cuda.mem_get_info(device)[0] * args.mem_fraction_static)
     budget, c = budget or CPU_KV_BYTES, model.cfg
     return MiniMaxSparseKVPool.size_for_budget(budget, list(c.layer_kinds), c.num_kv_heads, c.head_dim,
