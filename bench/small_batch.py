@@ -35,7 +35,7 @@ from engine.runtime.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 ROWS = (2, 4, 8, 16, 32, 64)
-VERSIONS = {"rewritten": "many-rewritten-v1", "onednn": "many-onednn-v1"}  # (name the saved graphs: change with a form)
+VERSIONS = {"rewritten": "many-rewritten-v2", "onednn": "many-onednn-v2"}  # (name the saved graphs: change with a form)
 aten = torch.ops.aten
 
 
@@ -113,8 +113,9 @@ def build(form: str | None) -> Engine:
     def patched(self, model, pool, *args, **kwargs) -> None:
         init(self, model, pool, *args, **kwargs)
         if form and hasattr(self, "_many"):
-            self._many = dg.PrecompiledStep(dg.decode_step, {"post_grad_custom_post_pass": ManyRowForms(form)},
-                                            dg.store_path(VERSIONS[form], model, pool), dg._marked)
+            options = self._many.options | {"post_grad_custom_post_pass": ManyRowForms(form)}  # (as the tree's, with it)
+            self._many = dg.PrecompiledStep(dg.decode_step, options, dg.store_path(VERSIONS[form], model, pool),
+                                            dg._marked)
 
     dg.DecodeGraphs.__init__ = patched
     t = time.perf_counter()

@@ -68,16 +68,17 @@ class DecodeGraphs:
         self.eager_steps, self._compiles_at_warm_up = 0, _compiles()  # (steps past the graphs; dynamo's graphs)
         self.key_buckets, self._one, self._many, self._wide = (), None, None, 0
         # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's sums, see graph_passes,
-        # imported here: its pattern matcher takes ~0.7 s) with the C++ wrapper, saving the Python launch overhead of
-        # ~150 kernels (3.1 vs 4.4 ms a step), and every other bucket (batch dynamic) without it, ~20 s less compile.
-        # The wrapper is built apart from its kernels (at -O1): 9 s less cold compile, the step no slower.
+        # imported here: its pattern matcher takes ~0.7 s), and every other bucket (batch dynamic). On CPU both with
+        # the C++ wrapper, built apart from its kernels (at -O1): no Python launching their kernels (batch 1: 3.1 vs
+        # 4.4 ms a step; 8-64 rows 1.04-1.06x), the cold compile no slower (the batch-dynamic graph 27-28 vs 29-31 s).
         if buckets and (device.type == "cpu" or compile_cuda):
-            one: dict = {}
+            many: dict = {}
             if device.type == "cpu":
                 from engine.runtime.graph_passes import BatchOneForms
-                one = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "post_grad_custom_post_pass": BatchOneForms()}
+                many = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
+            one = many | ({"post_grad_custom_post_pass": BatchOneForms()} if many else {})
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
-            self._many = PrecompiledStep(decode_step, {}, store_path("many", model, pool), _marked)
+            self._many = PrecompiledStep(decode_step, many, store_path("many", model, pool), _marked)
         if device.type != "cuda":
             return
         c, wide = model.cfg, self.key_width(max_keys)
