@@ -11,8 +11,8 @@
    server at 1, 64 and 256 clients, greedy and temperature 0.8, each run twice (first traffic, warm).
 5. tests/test_cuda.py and the Triton kernels' tests, in the time left.
 
-Writes docs/benchmarks/gpu.json (and $OUT/gpu.json) after every section, so a run cut short keeps what it measured,
-and prints the ratios against the targets at the end. A section that fails is recorded with its error and the rest
+Writes docs/benchmarks/gpu.json (and $OUT/gpu.json; named sections: gpu_<names>.json) after every section, so a run
+cut short keeps what it measured, and prints the ratios against the targets at the end. A section that fails is recorded with its error and the rest
 still run; one that would start past BENCH_GPU_DEADLINE_S (480 s from the start) is skipped. Sections named on the
 command line run alone; four run only when named: `cpu_small_batch` (bench/small_batch.py on the host's CPU: the
 CPU-only candidates measured on a second kind of CPU), `moe_forms` (the MoE's pair kernels against its grouped
@@ -75,11 +75,13 @@ def section(results: dict, name: str, fn, *args) -> None:
 
 
 def save(results: dict) -> None:
-    text = json.dumps(results, indent=1) + "\n"
+    """Into docs/benchmarks/gpu.json (and $OUT); a run of named sections into gpu_<their names>.json beside it, so
+    that it never replaces a whole run's figures."""
+    text, name = json.dumps(results, indent=1) + "\n", "_".join(["gpu", *sorted(sys.argv[1:])]) + ".json"
     OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(text)
+    OUT.with_name(name).write_text(text)
     if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "gpu.json").write_text(text)
+        Path(os.environ["OUT"], name).write_text(text)
 
 
 def left(cap: float) -> float:
