@@ -87,8 +87,6 @@ class KVCacheManager:
 
     def __init__(self, size: int, max_requests: int, context_len: int, device: str | torch.device = "cpu",
                  disable_radix_cache: bool = False, hicache: HiCache | None = None) -> None:
-        if hicache is not None and disable_radix_cache:
-            raise ValueError("the hierarchical cache keeps the prefix cache's evictions: it needs the radix cache on")
         self.allocator, self.size = TokenSlotAllocator(size, device), size  # (size: allocatable token slots)
         self.req_to_token, self.hicache = ReqToTokenPool(max_requests, context_len, device), hicache
         self.table = self.req_to_token.req_to_token  # (row, position) -> slot, int32 (attention reads it)

@@ -176,7 +176,6 @@ def chat_prompt_ids(tok: Tokenizer, req: ChatCompletionRequest) -> list[int]:
     rendered = render([*messages[:-1], {**messages[-1], "content": sentinel}], False)
     if (cut := rendered.find(sentinel)) < 0:
         raise ApiError(400, "the chat template drops the final message's content; cannot continue it.")
-    content = messages[-1]["content"]
-    if isinstance(content, list):
+    if isinstance(content := messages[-1]["content"], list):
         content = "".join(str(part.get("text", "")) for part in content if part.get("type") == "text")
     return tok.encode(rendered[:cut] + (content or ""), add_special_tokens=False)

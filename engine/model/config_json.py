@@ -82,11 +82,10 @@ def _sparse_fields(d: dict[str, Any], shape: str, n: int) -> dict[str, Any]:
     k_only = _per_layer_flags(sc, key, n)
     if enabled:
         _check_equal(sc, sparse_score_type=("max",))
-    block, init = int(_get(sc, "sparse_block_size", 128)), sc.get("sparse_init_block")
-    if init is None and sc.get("sparse_init_tokens") is not None:
+    block = int(_get(sc, "sparse_block_size", 128))
+    if (init := sc.get("sparse_init_block")) is None and sc.get("sparse_init_tokens") is not None:
         init = math.ceil(int(sc["sparse_init_tokens"]) / block)
-    local = sc.get("sparse_local_block")
-    if local is None and sc.get("sparse_local_tokens") is not None:
+    if (local := sc.get("sparse_local_block")) is None and sc.get("sparse_local_tokens") is not None:
         local = math.ceil(int(sc["sparse_local_tokens"]) / block) + 1
     kinds = ["dense" if not s else ("sparse_k_only" if ko else "sparse_index_kv") for s, ko in zip(sparse, k_only)]
     return dict(layer_kinds=tuple(kinds), index_num_heads=int(_get(sc, "sparse_num_index_heads", 4)),

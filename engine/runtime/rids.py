@@ -10,8 +10,7 @@ class RidTable:
 
     def add(self, rids: list[str], ns: list[int]) -> list[list[str]]:
         """Take a call's rids (each with its n), all or none: each one's samples' rids; ValueError on a duplicate."""
-        taken = [r for r in rids if r in self.live or r in self.member]
-        if taken or len(set(rids)) < len(rids):
+        if (taken := [r for r in rids if r in self.live or r in self.member]) or len(set(rids)) < len(rids):
             raise ValueError(f"Duplicate request ID: {taken[0] if taken else rids}.")
         out = [[rid] if n == 1 else [f"{rid}_{i}" for i in range(n)] for rid, n in zip(rids, ns)]
         for rid, n, samples in zip(rids, ns, out):
