@@ -68,7 +68,7 @@ if triton is not None:
         n = tl.load(lengths + r).to(tl.int32)
         h, d, j = tl.arange(0, HP), tl.arange(0, D), tl.arange(0, BS)
         qv = tl.load(iq + (r * H + h[:, None]) * D + d[None, :], mask=h[:, None] < H, other=0.0)
-        keyed = tl.cdiv(n, BS)
+        keyed = tl.minimum(tl.cdiv(n, BS), nb)  # (never past the table, whatever `lengths` holds)
         lo = keyed + s * tl.cdiv(nb - keyed, p)  # (a run of the rest each)
         hi = tl.minimum(lo + tl.cdiv(nb - keyed, p), nb)
         for first in range(lo, hi, FILL):  # (blocks past the row's keys)
