@@ -92,7 +92,9 @@ def batch1(copy_dir: Path) -> dict:
 def step_ms(engines: tuple, rows: int, steps: int = 32) -> list[float]:
     """Median time of a decode step with `rows` running requests (prompts of PROMPT tokens), for each engine.
     The engines' steps are interleaved (one step of each in turn), so that all of them see the same machine:
-    this one's speed swings by tens of percent within a minute."""
+    this one's speed swings by tens of percent within a minute. NOTE: an A/A (two engines alike, both graphs loaded
+    from disk) gave the one built second 1.04-1.07x at 8-64 rows, whichever stepped first: for effects that small,
+    build each form twice, in the order A B B A, and compare their sums."""
     params = SamplingParams(max_new_tokens=steps + 4, temperature=0, ignore_eos=True)
     for engine in engines:
         engine.add_requests([NewRequest([5 + (r + j) % 4000 for j in range(PROMPT)], params) for r in range(rows)])

@@ -1,6 +1,7 @@
 """`python -m bench.small_batch`: the CPU decode step at a few rows, the batch-dynamic graph as it is (its weight
-products MKL's) against the same graph with its weight products in one of two other forms, the three engines' steps
-interleaved (bench/decode_graphs.py's `step_ms`):
+products MKL's) against the same graph with its weight products in one of two other forms: each built twice, in
+mirrored order (A B C C B A: an engine built later runs a few percent faster), their steps interleaved
+(bench/decode_graphs.py's `step_ms`), a form's time its two engines' mean:
 - rewritten: graph_passes' matvec-as-reduction rewrite applied to it too (as the batch-1 graph has it);
 - onednn: each product through oneDNN's float32 GEMM on a prepacked copy of its weight (`mkldnn._linear_pointwise`
   over `_reorder_linear_weight`: the form inductor's own weight prepacking emits, and vLLM's CPU backend uses).
@@ -130,12 +131,14 @@ def build(form: str | None) -> Engine:
 
 def main() -> None:
     forms = ["rewritten", *(["onednn"] if torch.backends.mkldnn.is_available() else [])]
-    engines = (build(None), *(build(f) for f in forms))
+    order = [None, *forms, *reversed(forms), None]  # (each form built twice, mirrored: see step_ms' NOTE)
+    engines = tuple(build(f) for f in order)
     out: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
                  "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
                  "cpu": cpu_model(), "rows": {}}
     for rows in ROWS:
-        base, *new = step_ms(engines, rows)  # (the engines' steps interleaved)
+        ms = step_ms(engines, rows)  # (the engines' steps interleaved; a form's time: its two engines' mean)
+        base, *new = ((ms[i] + ms[-1 - i]) / 2 for i in range(len(forms) + 1))
         out["rows"][rows] = {"as_it_is_ms": round(base, 2)} | {
             k: v for f, ms in zip(forms, new) for k, v in ((f"{f}_ms", round(ms, 2)), (f"{f}_speedup", round(base / ms, 3)))}
         print(f"{rows:3d} rows: as it is {base:6.2f} ms; " + "; ".join(

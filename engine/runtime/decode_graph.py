@@ -70,7 +70,7 @@ class DecodeGraphs:
         # NOTE: two graphs: batch 1 (static; on CPU its matrix-vector products as inductor's sums, see graph_passes,
         # imported here: its pattern matcher takes ~0.7 s), and every other bucket (batch dynamic). On CPU both with
         # the C++ wrapper, built apart from its kernels (at -O1): no Python launching their kernels (batch 1: 3.1 vs
-        # 4.4 ms a step; 8-64 rows 1.04-1.06x), the cold compile no slower (the batch-dynamic graph 27-28 vs 29-31 s).
+        # 4.4 ms a step; 8 / 32 / 64 rows 1.05-1.07 / 0.99 / 0.98-0.99x), the cold compile no slower (27-28 vs 29-31 s).
         if buckets and (device.type == "cpu" or compile_cuda):
             many: dict = {}
             if device.type == "cpu":
