@@ -72,11 +72,11 @@ class DecodeGraphs:
         # the C++ wrapper, built apart from its kernels (at -O1): no Python launching their kernels (batch 1: 3.1 vs
         # 4.4 ms a step; 8 / 32 / 64 rows 1.05-1.07 / 0.99 / 0.98-0.99x), the cold compile no slower (27-28 vs 29-31 s).
         if buckets and (device.type == "cpu" or compile_cuda):
-            many: dict = {}
+            one, many = {}, {}
             if device.type == "cpu":
                 from engine.runtime.graph_passes import BatchOneForms
                 many = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True}
-            one = many | ({"post_grad_custom_post_pass": BatchOneForms()} if many else {})
+                one = many | {"post_grad_custom_post_pass": BatchOneForms()}
             self._one = PrecompiledStep(decode_step, one, store_path("one", model, pool), _marked)
             self._many = PrecompiledStep(decode_step, many, store_path("many", model, pool), _marked)
         if device.type != "cuda":
