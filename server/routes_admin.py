@@ -34,9 +34,10 @@ async def health_generate(request: Request) -> Response:
     sub = Submission(state.async_engine, [req], "/health_generate")
     try:
         (res,) = await asyncio.wait_for(sub.collect(request), HEALTH_TIMEOUT_S)
-    except Exception as e:  # (or the client left: nobody reads the status)
-        if isinstance(e, (asyncio.TimeoutError, ApiError)):
-            logger.error("health_generate: no answer from the engine within %.0f s", HEALTH_TIMEOUT_S)
+    except (asyncio.TimeoutError, ApiError):
+        logger.error("health_generate: no answer from the engine within %.0f s", HEALTH_TIMEOUT_S)
+        return Response(status_code=503)
+    except Exception:  # the client left: nobody reads the status
         return Response(status_code=503)
     return Response(status_code=503 if (res.last.finish_reason or {}).get("type") == "abort" else 200)
 
