@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import os
 import platform
@@ -50,6 +51,19 @@ def cpu_model() -> str:
     return platform.processor()
 
 
+def mkl_intel_path() -> bool | None:
+    """Whether torch's MKL takes its Intel code path (None: no MKL symbol to ask). On other vendors' CPUs it takes a
+    generic one, slow for products of few rows (README, "Hierarchical KV cache"): a figure of the batched CPU graph
+    depends on which. A symbol preloaded over MKL's own (a measurement stub) is found first, as MKL finds it."""
+    own = os.path.join(os.path.dirname(torch.__file__), "lib", "libtorch_cpu.so")
+    for lib in (None, own):
+        try:
+            return bool(ctypes.CDLL(lib).mkl_serv_intel_cpu_true())
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
 def code_version(root: Path) -> dict:
     """The commit measured, and which engine/server files differed from it (others edit them concurrently)."""
     def git(*args: str) -> str:
@@ -68,6 +82,7 @@ def machine_info(bw: Bandwidth) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "cpu": cpu_model(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),  # (AVX2 or AVX512: the kernels' vector width)
+        "mkl_intel_path": mkl_intel_path(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "omp_num_threads_env": os.environ.get("OMP_NUM_THREADS"),

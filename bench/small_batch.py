@@ -29,7 +29,7 @@ from torch._inductor.pattern_matcher import (
 
 import engine.runtime.decode_graph as dg
 from bench.decode_graphs import step_ms
-from bench.machine import code_version, cpu_model
+from bench.machine import code_version, cpu_model, mkl_intel_path
 from bench.ours import make_engine
 from engine.runtime import graph_passes
 from engine.runtime.engine import Engine
@@ -135,7 +135,7 @@ def main() -> None:
     engines = tuple(build(f) for f in order)
     out: dict = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_version(ROOT),
                  "threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-                 "cpu": cpu_model(), "rows": {}}
+                 "cpu": cpu_model(), "mkl_intel_path": mkl_intel_path(), "rows": {}}
     for rows in ROWS:
         ms = step_ms(engines, rows)  # (the engines' steps interleaved; a form's time: its two engines' mean)
         base, *new = ((ms[i] + ms[-1 - i]) / 2 for i in range(len(forms) + 1))
