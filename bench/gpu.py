@@ -542,13 +542,16 @@ def moe_forms() -> dict:
     rows: each (token, expert) pair's Triton kernels against the grouped matmuls, each form captured in a CUDA graph
     and replayed (ms a layer), for configs/tiny's experts (8, top-2, 256 x 256) and the mid-size model's (64, top-4,
     2048 x 256): where `layers.PAIR_BYTES` should sit (the pairs run while they read at most that much more than the
-    grouped form)."""
+    grouped form); the pairs also at other `EXPERT_TILE`s (at batch 1 the mid-size up kernel runs 5 pairs x 256 / tile
+    programs, 40 at 32: fewer than an H200's 132 SMs)."""
     import dataclasses
 
+    from engine.kernels import triton_pointwise
     from engine.model import layers
     from engine.model.config_json import load_config
 
-    out, real = {}, layers.PAIR_BYTES
+    out, real, tile = {}, layers.PAIR_BYTES, triton_pointwise.EXPERT_TILE
+    forms = [("pairs", 1 << 62, tile), ("grouped", -(1 << 62), tile), *((f"pairs_tile{t}", 1 << 62, t) for t in (16, 64))]
     for name, shape in (("tiny", {}), ("midsize", {"hidden_size": 2048, "num_experts": 64, "num_experts_per_tok": 4})):
         moe = layers.MoE(dataclasses.replace(load_config(TINY), **shape)).to("cuda")
         with torch.no_grad():
@@ -556,14 +559,14 @@ def moe_forms() -> dict:
                 p.data = (torch.randn_like(p) * p.shape[-1] ** -0.5).to(p.dtype if "router" in name_ else torch.bfloat16)
             for rows in (1, 4, 8, 16, 32, 64, 128):
                 x, times = torch.randn(rows, moe.w13.shape[-1], device="cuda", dtype=layers.MoE.input_dtype), {}
-                for form, limit in (("pairs", 1 << 62), ("grouped", -(1 << 62))):
+                for form, limit, triton_pointwise.EXPERT_TILE in forms:
                     layers.PAIR_BYTES = limit
                     moe(x)  # (kernels built before the capture)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
                         moe(x)
                     times[form] = graph_ms(graph)
-                layers.PAIR_BYTES = real
+                layers.PAIR_BYTES, triton_pointwise.EXPERT_TILE = real, tile
                 out[f"{name}_rows{rows}"] = times | {"pairs_over_grouped": _ratio(times["pairs"], times["grouped"])}
     return out
 

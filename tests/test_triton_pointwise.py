@@ -135,9 +135,13 @@ def test_the_block_kernel_selects_as_select_blocks(block_size, topk, init, local
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens,k,experts,hidden,inter,shared", [(3, 2, 8, 256, 256, 256), (1, 4, 64, 200, 96, 160),
                                                                    (5, 2, 4, 64, 300, 64), (2, 2, 8, 64, 96, 0)])
-def test_expert_pair_kernels_equal_the_gathered_experts(dtype, tokens, k, experts, hidden, inter, shared):
+@pytest.mark.parametrize("tile", [16, 32, 64])
+def test_expert_pair_kernels_equal_the_gathered_experts(dtype, tokens, k, experts, hidden, inter, shared, tile,
+                                                        monkeypatch):
     """Hidden and intermediate sizes in and out of the kernels' blocks; experts shared by tokens (4 experts); the
-    shared expert (one more pair a token) as wide as the experts, wider, narrower, or none."""
+    shared expert (one more pair a token) as wide as the experts, wider, narrower, or none; at each tile the GPU
+    bench's moe_forms tries."""
+    monkeypatch.setattr(fused, "EXPERT_TILE", tile)
     g = torch.Generator().manual_seed(6)
     x, w13, w2, s13, s2 = (_randn(*s, g=g, scale=f, dtype=dtype) for s, f in
                            (((tokens, hidden), 5.0), ((experts, 2 * inter, hidden), 0.1), ((experts, hidden, inter), 0.1),

@@ -12,6 +12,8 @@ from engine.kernels import triton_decode
 from engine.kernels.operator import require
 from engine.kernels.triton_decode import kernel_op, tl, triton
 
+EXPERT_TILE = 32  # (activations an up program makes, outputs a down program sums: bench.gpu's moe_forms tries others)
+
 
 def serves(x: torch.Tensor, *dims: int) -> bool:
     """Whether the kernels run for x (and `dims`): where triton_decode's do, and not for training (no autograd)."""
@@ -96,10 +98,11 @@ def gathered_experts(x, ids, w, w13, w2, alpha, limit, s13=None, s2=None):
     si = 0 if s2 is None else s2.shape[1]  # (the shared expert's intermediate size; 0: none)
     ks, wide = k + (si > 0), max(i, si)  # (pairs a token; an activation row's width)
     act, out = w13.new_empty(t * ks, wide), w2.new_empty(t, h)  # (x: either dtype)
-    _experts_up_kernel[(t * ks, triton.cdiv(wide, 32))](x, ids, w13, w13 if s13 is None else s13, act, h, i, si, alpha,
-                                                        limit, K=k, KS=ks, BI=32, BH=128, num_warps=8)
-    _experts_down_kernel[(t, triton.cdiv(h, 32))](act, ids, w, w2, w2 if s2 is None else s2, out, h, i, si, K=k, KS=ks,
-                                                  BO=32, BI=128, num_warps=8)
+    b = EXPERT_TILE
+    _experts_up_kernel[(t * ks, triton.cdiv(wide, b))](x, ids, w13, w13 if s13 is None else s13, act, h, i, si, alpha,
+                                                       limit, K=k, KS=ks, BI=b, BH=128, num_warps=8)
+    _experts_down_kernel[(t, triton.cdiv(h, b))](act, ids, w, w2, w2 if s2 is None else s2, out, h, i, si, K=k, KS=ks,
+                                                 BO=b, BI=128, num_warps=8)
     return out
 
 
