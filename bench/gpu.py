@@ -559,8 +559,8 @@ def moe_forms() -> dict:
                 p.data = (torch.randn_like(p) * p.shape[-1] ** -0.5).to(p.dtype if "router" in name_ else torch.bfloat16)
             for rows in (1, 4, 8, 16, 32, 64, 128):
                 x, times = torch.randn(rows, moe.w13.shape[-1], device="cuda", dtype=layers.MoE.input_dtype), {}
-                for form, limit, triton_pointwise.EXPERT_TILE in forms:
-                    layers.PAIR_BYTES = limit
+                for form, limit, form_tile in forms:
+                    layers.PAIR_BYTES, triton_pointwise.EXPERT_TILE = limit, form_tile
                     moe(x)  # (kernels built before the capture)
                     graph = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(graph):
@@ -573,8 +573,10 @@ def moe_forms() -> dict:
 
 def cpu_small_batch() -> dict:
     r = child(["-m", "bench.small_batch"], 500)
-    if isinstance(r, dict) or r.returncode:
-        return r if isinstance(r, dict) else {"error": r.stderr[-2500:]}
+    if isinstance(r, dict):  # (past its time)
+        return r
+    if r.returncode:
+        return {"error": r.stderr[-2500:]}
     return json.loads((ROOT / "docs" / "benchmarks" / "small_batch.json").read_text())
 
 

@@ -140,9 +140,9 @@ def main() -> None:
         ms = step_ms(engines, rows)  # (the engines' steps interleaved; a form's time: its two engines' mean)
         base, *new = ((ms[i] + ms[-1 - i]) / 2 for i in range(len(forms) + 1))
         out["rows"][rows] = {"as_it_is_ms": round(base, 2)} | {
-            k: v for f, ms in zip(forms, new) for k, v in ((f"{f}_ms", round(ms, 2)), (f"{f}_speedup", round(base / ms, 3)))}
+            k: v for f, t in zip(forms, new) for k, v in ((f"{f}_ms", round(t, 2)), (f"{f}_speedup", round(base / t, 3)))}
         print(f"{rows:3d} rows: as it is {base:6.2f} ms; " + "; ".join(
-            f"{f} {ms:6.2f} ms ({base / ms:.2f}x)" for f, ms in zip(forms, new)), flush=True)
+            f"{f} {t:6.2f} ms ({base / t:.2f}x)" for f, t in zip(forms, new)), flush=True)
     text = json.dumps(out, indent=1) + "\n"
     (ROOT / "docs" / "benchmarks" / "small_batch.json").write_text(text)
     if os.environ.get("OUT"):
